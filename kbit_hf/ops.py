@@ -1,0 +1,112 @@
+"""The kbit op interface: torch.library custom ops `torch.ops.kbit.*`.
+
+Each op's default implementation is the pure-PyTorch reference (kbit_hf/reference.py), valid on every device.
+A compiled backend registers faster kernels for a device with `torch.library.register_kernel(op, "cuda", fn)`;
+the modules only ever call the functions below, so a backend slots in without touching them. Fake (meta)
+implementations let torch.compile trace the ops without running them.
+
+Signatures (weights [..., out, in], see kbit_hf/format.py):
+  quantize(weight, codebook, k, absmax_format) -> (packed, absmax, scale)
+  dequantize(packed, absmax, scale, codebook, k, in_features, dtype) -> weight
+  linear(x, packed, absmax, scale, codebook, k, in_features, bias?) -> x @ W^T + bias
+  expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features) -> per-row expert matmul
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import format as fmt
+from . import reference
+
+
+@torch.library.custom_op("kbit::quantize", mutates_args=())
+def quantize(
+    weight: torch.Tensor, codebook: torch.Tensor, k: int, absmax_format: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return reference.quantize(weight, codebook, k, absmax_format)
+
+
+@quantize.register_fake
+def _(weight, codebook, k, absmax_format):
+    shapes = fmt.packed_shapes(tuple(weight.shape), k)
+    absmax_dtype = torch.uint8 if absmax_format == "e4m4" else torch.float16
+    return (
+        weight.new_empty(shapes["packed"], dtype=torch.uint32),
+        weight.new_empty(shapes["absmax"], dtype=absmax_dtype),
+        weight.new_empty(shapes["scale"], dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("kbit::dequantize", mutates_args=())
+def dequantize(
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    scale: torch.Tensor,
+    codebook: torch.Tensor,
+    k: int,
+    in_features: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    return reference.dequantize(packed, absmax, scale, codebook, k, in_features, dtype)
+
+
+@dequantize.register_fake
+def _(packed, absmax, scale, codebook, k, in_features, dtype):
+    return packed.new_empty((*packed.shape[:-1], in_features), dtype=dtype)
+
+
+@torch.library.custom_op("kbit::linear", mutates_args=())
+def linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    scale: torch.Tensor,
+    codebook: torch.Tensor,
+    k: int,
+    in_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return reference.linear(x, packed, absmax, scale, codebook, k, in_features, bias)
+
+
+@linear.register_fake
+def _(x, packed, absmax, scale, codebook, k, in_features, bias):
+    return x.new_empty((*x.shape[:-1], packed.shape[-2]))
+
+
+def _linear_setup_context(ctx, inputs, output):
+    x, packed, absmax, scale, codebook, k, in_features, bias = inputs
+    ctx.save_for_backward(packed, absmax, scale, codebook)
+    ctx.k, ctx.in_features, ctx.x_dtype, ctx.has_bias = k, in_features, x.dtype, bias is not None
+
+
+def _linear_backward(ctx, grad):
+    # Gradient w.r.t. the input only (for adapters such as LoRA); packed weights are frozen.
+    packed, absmax, scale, codebook = ctx.saved_tensors
+    w = dequantize(packed, absmax, scale, codebook, ctx.k, ctx.in_features, grad.dtype)
+    grad_x = (grad @ w).to(ctx.x_dtype)
+    grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+    return grad_x, None, None, None, None, None, None, grad_bias
+
+
+linear.register_autograd(_linear_backward, setup_context=_linear_setup_context)
+
+
+@torch.library.custom_op("kbit::expert_linear", mutates_args=())
+def expert_linear(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    scale: torch.Tensor,
+    codebook: torch.Tensor,
+    k: int,
+    in_features: int,
+) -> torch.Tensor:
+    return reference.expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
+
+
+@expert_linear.register_fake
+def _(x, expert_ids, packed, absmax, scale, codebook, k, in_features):
+    return x.new_empty((x.shape[0], packed.shape[-2]))

@@ -1,0 +1,131 @@
+"""Pure-PyTorch reference implementation of every kbit op.
+
+This is the ground truth the CUDA kernels are tested against, and the implementation used wherever no compiled
+kernel applies (CPU, or CUDA without the compiled library). It works on any device torch supports.
+Weights are [..., out, in]; see kbit_hf/format.py for the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import format as fmt
+
+# Rows quantized/dequantized per step: bounds the int64/fp32 temporaries to a few hundred MB on big matrices.
+_ROW_ELEMENTS = 1 << 22
+
+
+def _row_chunks(rows: int, in_features: int):
+    step = max(1, _ROW_ELEMENTS // max(1, in_features))
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
+def _blocked(w: torch.Tensor) -> torch.Tensor:
+    """float32 [rows, in] -> [rows, nb, 32], zero padded."""
+    rows, inp = w.shape
+    pad = fmt.n_blocks(inp) * fmt.BLOCK - inp
+    if pad:
+        w = F.pad(w, (0, pad))
+    return w.view(rows, -1, fmt.BLOCK)
+
+
+def quantize(
+    weight: torch.Tensor, codebook: torch.Tensor, k: int, absmax_format: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [..., out, in] (any float dtype) -> (packed uint32, absmax uint8|fp16, scale float32 [...])."""
+    if weight.dim() < 2:
+        raise ValueError(f"kbit quantizes matrices [..., out, in]; got a tensor of shape {tuple(weight.shape)}")
+    if absmax_format not in fmt.ABSMAX_FORMATS:
+        raise ValueError(f"absmax_format: unknown format {absmax_format!r} (expected one of {fmt.ABSMAX_FORMATS})")
+    fmt.check_finite(weight)
+    *lead, out, inp = weight.shape
+    shapes = fmt.packed_shapes(tuple(weight.shape), k)
+    w3 = weight.reshape(-1, out, inp)
+    codebook = codebook.to(weight.device, torch.float32)
+    packed = torch.empty((w3.shape[0], out, shapes["packed"][-1]), dtype=torch.uint32, device=weight.device)
+    absmax_dtype = torch.uint8 if absmax_format == "e4m4" else torch.float16
+    absmax = torch.empty((w3.shape[0], out, shapes["absmax"][-1]), dtype=absmax_dtype, device=weight.device)
+    scale = torch.empty(w3.shape[0], dtype=torch.float32, device=weight.device)
+    for e in range(w3.shape[0]):
+        # Pass 1: block absmax of the whole matrix, which fixes its power-of-two scale.
+        blk = torch.cat([_blocked(w3[e, a:b].float()).abs().amax(-1) for a, b in _row_chunks(out, inp)])
+        s = fmt.tensor_scale(blk)
+        scale[e] = s
+        # Pass 2: scale codes, then indices against the *decoded* scale (so scale rounding is accounted for).
+        for a, b in _row_chunks(out, inp):
+            codes = fmt.encode_absmax(blk[a:b] / s, absmax_format)
+            d = fmt.decode_absmax(codes).unsqueeze(-1)
+            wb = _blocked(w3[e, a:b].float()) / s
+            y = torch.where(d > 0, wb / d.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(wb))
+            packed[e, a:b] = fmt.pack_bitplanes(fmt.nearest_index(y, codebook), k)
+            absmax[e, a:b] = codes
+    return packed.view(shapes["packed"]), absmax.view(shapes["absmax"]), scale.view(shapes["scale"])
+
+
+def dequantize(
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    scale: torch.Tensor,
+    codebook: torch.Tensor,
+    k: int,
+    in_features: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of `quantize` up to rounding: -> [..., out, in_features] in `dtype`."""
+    *lead, out, words = packed.shape
+    nb = fmt.n_blocks(in_features)
+    if words != nb * k or tuple(absmax.shape) != (*lead, out, nb) or tuple(scale.shape) != tuple(lead):
+        raise ValueError(
+            f"kbit tensors do not fit together for k={k}, in_features={in_features}: packed {tuple(packed.shape)}, "
+            f"absmax {tuple(absmax.shape)}, scale {tuple(scale.shape)} (expected absmax {(*lead, out, nb)}, "
+            f"scale {tuple(lead)})"
+        )
+    p3 = packed.reshape(-1, out, words)
+    a3 = absmax.reshape(-1, out, nb)
+    s1 = scale.reshape(-1).float()
+    cb = codebook.to(packed.device, torch.float32)
+    result = torch.empty((p3.shape[0], out, in_features), dtype=dtype, device=packed.device)
+    for e in range(p3.shape[0]):
+        for a, b in _row_chunks(out, in_features):
+            idx = fmt.unpack_bitplanes(p3[e, a:b], k)  # [rows, nb, 32]
+            w = (cb[idx] * fmt.decode_absmax(a3[e, a:b]).unsqueeze(-1)) * s1[e]
+            result[e, a:b] = w.flatten(-2)[:, :in_features].to(dtype)
+    return result.view(*lead, out, in_features)
+
+
+def linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    scale: torch.Tensor,
+    codebook: torch.Tensor,
+    k: int,
+    in_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x @ W^T (+ bias), computed in float32 and returned in x's dtype."""
+    w = dequantize(packed, absmax, scale, codebook, k, in_features, torch.float32)
+    y = F.linear(x.float(), w, None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def expert_linear(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    scale: torch.Tensor,
+    codebook: torch.Tensor,
+    k: int,
+    in_features: int,
+) -> torch.Tensor:
+    """Row r of the result is x[r] @ W[expert_ids[r]]^T; rows whose id is outside [0, E) (EP sentinels) are zero."""
+    num_experts, out = packed.shape[0], packed.shape[1]
+    y = torch.zeros((x.shape[0], out), dtype=x.dtype, device=x.device)
+    valid = (expert_ids >= 0) & (expert_ids < num_experts)
+    for e in torch.unique(expert_ids[valid]).tolist():
+        rows = (expert_ids == e).nonzero().squeeze(-1)
+        y[rows] = linear(x[rows], packed[e], absmax[e], scale[e], codebook, k, in_features)
+    return y
