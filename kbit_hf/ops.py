@@ -110,3 +110,13 @@ def expert_linear(
 @expert_linear.register_fake
 def _(x, expert_ids, packed, absmax, scale, codebook, k, in_features):
     return x.new_empty((x.shape[0], packed.shape[-2]))
+
+
+# What the modules call. Backends may add an eager fast path here (e.g. a direct ctypes launch that skips the
+# custom-op dispatcher's Python overhead); under torch.compile the custom ops above are what gets traced.
+def linear_forward(x, packed, absmax, scale, codebook, k: int, in_features: int, bias=None):
+    return torch.ops.kbit.linear(x, packed, absmax, scale, codebook, k, in_features, bias)
+
+
+def expert_linear_forward(x, expert_ids, packed, absmax, scale, codebook, k: int, in_features: int):
+    return torch.ops.kbit.expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
