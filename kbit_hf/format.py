@@ -37,7 +37,8 @@ def n_blocks(in_features: int) -> int:
 def nf_codebook(k: int) -> torch.Tensor:
     """Normal-float codebook: Phi^-1((i + 0.5) / 2^k) for i in 0..2^k-1, divided by the largest magnitude."""
     n = 2**k
-    p = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    # Explicit CPU: this may run inside transformers' meta-device init context.
+    p = (torch.arange(n, dtype=torch.float64, device="cpu") + 0.5) / n
     q = torch.special.ndtri(p)
     q = q / q.abs().max()
     return q.to(torch.float32)
@@ -49,7 +50,7 @@ def make_codebook(k: int, codebook: str | list[float] | tuple[float, ...]) -> to
         if codebook != "nf":
             raise ValueError(f"codebook: unknown codebook name {codebook!r} (expected 'nf' or a list of floats)")
         return nf_codebook(k)
-    values = torch.tensor([float(v) for v in codebook], dtype=torch.float32)
+    values = torch.tensor([float(v) for v in codebook], dtype=torch.float32, device="cpu")
     if values.numel() != 2**k:
         raise ValueError(f"codebook: expected {2**k} values for k={k}, got {values.numel()}")
     return values

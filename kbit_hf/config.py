@@ -1,0 +1,112 @@
+"""KbitConfig: the `quantization_config` users pass to `from_pretrained` and that lands in config.json."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from . import format as fmt
+
+# Bumped whenever the meaning of stored tensors changes; a loader refuses a format it does not know.
+FORMAT_VERSION = 1
+
+
+class KbitConfig(QuantizationConfigMixin):
+    """K-bit blockwise codebook quantization of every linear layer and MoE expert.
+
+    Args:
+        k: bits per weight index, 2, 3, 4 or 5.
+        codebook: "nf" (normal-float, the default) or an explicit list of 2**k sorted finite floats in [-1, 1].
+        absmax_format: how each 32-weight block stores its scale: "e4m4" (1 byte, default) or "fp16" (2 bytes).
+        modules_to_not_convert: extra module names to keep in full precision, as written in the model
+            ("lm_head", "q_proj", "model.layers.0.mlp", ...). A name matches a module when it equals the module's
+            dotted path, or a run of its dotted components. The output head, tied embeddings and MoE routers are
+            always kept in full precision.
+        dequantize: when loading a kbit checkpoint, dequantize it back to ordinary `nn.Linear`/experts weights.
+    """
+
+    def __init__(
+        self,
+        k: int = 4,
+        codebook: str | list[float] = "nf",
+        absmax_format: str = "e4m4",
+        modules_to_not_convert: list[str] | None = None,
+        dequantize: bool = False,
+        format_version: int = FORMAT_VERSION,
+        **kwargs: Any,
+    ):
+        kwargs.pop("quant_method", None)
+        if kwargs:
+            raise ValueError(
+                f"KbitConfig got unknown field(s) {sorted(kwargs)}; this config may come from a newer kbit_hf"
+            )
+        self.quant_method = "kbit"
+        self.k = k
+        self.codebook = list(codebook) if isinstance(codebook, (list, tuple)) else codebook
+        self.absmax_format = absmax_format
+        self.modules_to_not_convert = None if modules_to_not_convert is None else list(modules_to_not_convert)
+        self.dequantize = dequantize
+        self.format_version = format_version
+        self.post_init()
+
+    def post_init(self) -> None:
+        """Validate every field; raise ValueError naming the field."""
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k not in fmt.SUPPORTED_K:
+            raise ValueError(f"k: must be one of {fmt.SUPPORTED_K}, got {self.k!r}")
+        if isinstance(self.codebook, str):
+            if self.codebook != "nf":
+                raise ValueError(f"codebook: unknown codebook name {self.codebook!r} (expected 'nf' or a list)")
+        elif isinstance(self.codebook, list):
+            values = self.codebook
+            if len(values) != 2**self.k:
+                raise ValueError(f"codebook: needs {2**self.k} values for k={self.k}, got {len(values)}")
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                raise ValueError("codebook: every value must be a number")
+            if not all(math.isfinite(v) for v in values):
+                raise ValueError("codebook: values must be finite (no NaN or Inf)")
+            if any(abs(v) > 1 for v in values):
+                raise ValueError("codebook: values must lie in [-1, 1] (they are multiplied by each block's absmax)")
+            if any(b <= a for a, b in zip(values, values[1:])):
+                raise ValueError("codebook: values must be strictly increasing")
+            self.codebook = [float(v) for v in values]
+        else:
+            raise ValueError(f"codebook: expected 'nf' or a list of {2**self.k} floats, got {type(self.codebook)}")
+        if self.absmax_format not in fmt.ABSMAX_FORMATS:
+            raise ValueError(f"absmax_format: must be one of {fmt.ABSMAX_FORMATS}, got {self.absmax_format!r}")
+        if self.modules_to_not_convert is not None and not all(
+            isinstance(m, str) and m for m in self.modules_to_not_convert
+        ):
+            raise ValueError("modules_to_not_convert: must be a list of non-empty module names")
+        if not isinstance(self.dequantize, bool):
+            raise ValueError(f"dequantize: must be True or False, got {self.dequantize!r}")
+        if self.format_version != FORMAT_VERSION:
+            raise ValueError(
+                f"format_version: this kbit_hf reads format {FORMAT_VERSION}, the config says {self.format_version!r}"
+            )
+
+    @property
+    def bits_per_weight(self) -> float:
+        return fmt.bits_per_weight(self.k, self.absmax_format)
+
+    def codebook_tensor(self):
+        return fmt.make_codebook(self.k, self.codebook)
+
+    def get_loading_attributes(self) -> dict[str, Any]:
+        # What a user's config may change when loading an already-quantized checkpoint.
+        return {"dequantize": self.dequantize}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "quant_method": "kbit",
+            "k": self.k,
+            "codebook": self.codebook if isinstance(self.codebook, str) else list(self.codebook),
+            "absmax_format": self.absmax_format,
+            "modules_to_not_convert": self.modules_to_not_convert,
+            "dequantize": self.dequantize,
+            "format_version": self.format_version,
+        }
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KbitConfig) and self.to_dict() == other.to_dict()

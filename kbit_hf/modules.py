@@ -1,0 +1,223 @@
+"""KbitLinear and KbitMoE: the modules that hold packed weights and run the kbit ops.
+
+Their parameters *are* the serialized tensors (`weight`, `weight_absmax`, `weight_scale`, `weight_codebook`, and
+`<proj>`, `<proj>_absmax`, `<proj>_scale`, `<proj>_codebook` for experts), so a saved folder reloads by plain name
+matching. While quantizing on the fly the weight parameter is a float placeholder of the original shape: the loader
+casts the incoming checkpoint tensor to it and hands it to `quantize_param`, which returns the packed tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import format as fmt
+from . import ops
+
+# Suffixes of the companion tensors stored next to each quantized weight.
+COMPANIONS = ("_absmax", "_scale", "_codebook")
+# Fused experts params that get quantized (transformers 5 MoE layout).
+EXPERT_PROJS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def _placeholders(shape_oi: tuple[int, ...], k: int, absmax_format: str, device, float_dtype, pre_quantized: bool,
+                  model_shape: tuple[int, ...]) -> dict[str, nn.Parameter]:
+    """Params for one quantized weight whose stored orientation is [..., out, in] = shape_oi.
+
+    model_shape is the float weight's shape as the model holds it (different for transposed experts).
+    """
+    shapes = fmt.packed_shapes(shape_oi, k)
+    absmax_dtype = torch.uint8 if absmax_format == "e4m4" else torch.float16
+    if pre_quantized:
+        main = torch.empty(shapes["packed"], dtype=torch.uint32, device=device)
+    else:
+        main = torch.empty(model_shape, dtype=float_dtype, device=device)
+    return {
+        "": _frozen(main),
+        "_absmax": _frozen(torch.empty(shapes["absmax"], dtype=absmax_dtype, device=device)),
+        "_scale": _frozen(torch.empty(shapes["scale"], dtype=torch.float32, device=device)),
+        "_codebook": _frozen(torch.empty(shapes["codebook"], dtype=torch.float32, device=device)),
+    }
+
+
+def _quantize(name: str, weight_oi: torch.Tensor, codebook: torch.Tensor, k: int, absmax_format: str):
+    codebook = codebook.to(weight_oi.device, copy=True)  # one tensor per module: safetensors refuses shared storage
+    packed, absmax, scale = ops.quantize(weight_oi, codebook, k, absmax_format)
+    return {name: packed, name + "_absmax": absmax, name + "_scale": scale, name + "_codebook": codebook}
+
+
+class KbitLinear(nn.Linear):
+    """A Linear layer whose weight is stored as K-bit codebook indices (see kbit_hf/format.py).
+
+    Subclasses nn.Linear so that tools dispatching on nn.Linear (PEFT's LoRA) wrap it; the forward is
+    differentiable with respect to the input.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, k: int, absmax_format: str,
+                 codebook: torch.Tensor, *, pre_quantized: bool, dtype=None, device=None):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = in_features, out_features
+        self.k, self.absmax_format = k, absmax_format
+        self._codebook_init = codebook  # used by quantize_param during an on-the-fly load
+        for suffix, p in _placeholders((out_features, in_features), k, absmax_format, device, dtype,
+                                       pre_quantized, (out_features, in_features)).items():
+            self.register_parameter("weight" + suffix, p)
+        self.bias = _frozen(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        self._is_hf_initialized = True  # keep the model's _init_weights away from packed tensors
+
+    @property
+    def is_packed(self) -> bool:
+        return self.weight.dtype == torch.uint32
+
+    def quantize_param(self, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        if name != "weight":
+            raise ValueError(f"KbitLinear only quantizes 'weight', not {name!r}")
+        if tuple(value.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"checkpoint weight has shape {tuple(value.shape)}, the layer expects "
+                f"{(self.out_features, self.in_features)}"
+            )
+        return _quantize("weight", value, self._codebook_init, self.k, self.absmax_format)
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or (self.bias.dtype if self.bias is not None else torch.float32)
+        return ops.dequantize(self.weight, self.weight_absmax, self.weight_scale, self.weight_codebook, self.k,
+                              self.in_features, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear_forward(x, self.weight, self.weight_absmax, self.weight_scale, self.weight_codebook,
+                                  self.k, self.in_features, self.bias)
+
+    def to_linear(self, dtype: torch.dtype) -> nn.Linear:
+        layer = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta", dtype=dtype)
+        layer.weight = nn.Parameter(self.dequantized_weight(dtype), requires_grad=False)
+        if self.bias is not None:
+            layer.bias = nn.Parameter(self.bias.detach().to(dtype), requires_grad=False)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"k={self.k}, absmax_format={self.absmax_format}")
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """A transformers-5 fused experts module: 3-D `gate_up_proj` or `up_proj`, and 3-D `down_proj`."""
+    params = dict(module.named_parameters(recurse=False))
+    up = params.get("gate_up_proj", params.get("up_proj"))
+    down = params.get("down_proj")
+    return up is not None and down is not None and up.dim() == 3 and down.dim() == 3
+
+
+class KbitMoE(nn.Module):
+    """Fused MoE experts with K-bit expert weights, replacing a transformers-5 `*Experts` module.
+
+    Keeps the original module's attributes, parameter-free submodules and gating (`_apply_gate`, e.g. gpt-oss's
+    clamped SwiGLU), and its float biases. Weights are stored [E, out, in] even where the model keeps them
+    transposed (gpt-oss). The forward has fixed shapes (no data-dependent Python control flow), so it traces.
+    """
+
+    def __init__(self, orig: nn.Module, k: int, absmax_format: str, codebook: torch.Tensor, *, pre_quantized: bool):
+        super().__init__()
+        self._orig_cls = type(orig)
+        self.k, self.absmax_format = k, absmax_format
+        self._codebook_init = codebook
+        # Copy the original's own attributes (config, num_experts, act_fn, alpha, limit, decorator flags...),
+        # not nn.Module's internals.
+        module_internals = set(vars(nn.Module()))
+        for key, value in vars(orig).items():
+            if key not in module_internals and key != "_is_hf_initialized":
+                setattr(self, key, value)
+        for name, child in orig.named_children():
+            self.add_module(name, child)
+        self.is_transposed = bool(getattr(orig, "is_transposed", False))
+        self.has_gate = "gate_up_proj" in orig._parameters
+        self.has_bias = bool(getattr(orig, "has_bias", False))
+        self.has_post_expert_norm = bool(getattr(orig, "has_post_expert_norm", False))
+        self.quantized_names: tuple[str, ...] = tuple(n for n in EXPERT_PROJS if n in orig._parameters)
+        self.in_features: dict[str, int] = {}
+        for name, p in orig.named_parameters(recurse=False):
+            if name in self.quantized_names:
+                e, a, b = p.shape
+                out, inp = (b, a) if self.is_transposed else (a, b)
+                self.in_features[name] = inp
+                for suffix, q in _placeholders((e, out, inp), k, absmax_format, p.device, p.dtype, pre_quantized,
+                                               tuple(p.shape)).items():
+                    self.register_parameter(name + suffix, q)
+            else:
+                self.register_parameter(name, p)
+        self.num_experts = int(getattr(orig, "num_experts", dict(orig.named_parameters())[self.quantized_names[0]].shape[0]))
+        self._is_hf_initialized = True
+
+    def quantize_param(self, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        if name not in self.quantized_names:
+            raise ValueError(f"KbitMoE quantizes {self.quantized_names}, not {name!r}")
+        expected = tuple(getattr(self, name).shape)
+        if tuple(value.shape) != expected:
+            raise ValueError(f"checkpoint {name} has shape {tuple(value.shape)}, the experts expect {expected}")
+        weight_oi = value.transpose(-1, -2) if self.is_transposed else value
+        return _quantize(name, weight_oi, self._codebook_init, self.k, self.absmax_format)
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_fn = getattr(self._orig_cls, "_apply_gate", None)
+        if gate_fn is not None:
+            return gate_fn(self, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def _proj(self, name: str, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        y = ops.expert_linear_forward(x, expert_ids, getattr(self, name), getattr(self, name + "_absmax"),
+                                      getattr(self, name + "_scale"), getattr(self, name + "_codebook"), self.k,
+                                      self.in_features[name])
+        if self.has_bias:
+            y = y + getattr(self, name + "_bias")[expert_ids.clamp(0, self.num_experts - 1)].to(y.dtype)
+        return y
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        # gpt-oss names the routing arguments differently.
+        top_k_index = top_k_index if top_k_index is not None else kwargs.pop("router_indices")
+        top_k_weights = top_k_weights if top_k_weights is not None else kwargs.pop("routing_weights")
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        num_tokens, top_k = x.shape[0], top_k_index.shape[-1]
+        expert_ids = top_k_index.reshape(-1)
+        # Indices >= num_experts are expert-parallel sentinels: their rows contribute nothing.
+        valid = (expert_ids >= 0) & (expert_ids < self.num_experts)
+        x = x.repeat_interleave(top_k, dim=0)
+        if self.has_gate:
+            h = self._apply_gate(self._proj("gate_up_proj", x, expert_ids))
+        else:
+            h = self.act_fn(self._proj("up_proj", x, expert_ids))
+        out = self._proj("down_proj", h, expert_ids)
+        if self.has_post_expert_norm:
+            out = self.post_expert_norm(out)
+        weights = top_k_weights.reshape(-1).float() * valid
+        out = (out.float() * weights.unsqueeze(-1)).view(num_tokens, top_k, -1).sum(dim=1)
+        return out.to(hidden_states.dtype).view(shape)
+
+    def dequantized_weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        w = ops.dequantize(getattr(self, name), getattr(self, name + "_absmax"), getattr(self, name + "_scale"),
+                           getattr(self, name + "_codebook"), self.k, self.in_features[name], dtype)
+        return w.transpose(-1, -2).contiguous() if self.is_transposed else w
+
+    def to_experts(self, dtype: torch.dtype) -> nn.Module:
+        """The original experts class with dequantized float weights."""
+        with torch.device("meta"):
+            experts = self._orig_cls(self.config)
+        for name, _ in list(experts.named_parameters(recurse=False)):
+            if name in self.quantized_names:
+                value = self.dequantized_weight(name, dtype)
+            else:
+                value = getattr(self, name).detach().to(dtype)
+            setattr(experts, name, nn.Parameter(value, requires_grad=False))
+        for name, child in self.named_children():
+            experts.add_module(name, child)
+        return experts
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, quantized={list(self.quantized_names)}, k={self.k}, "
+                f"absmax_format={self.absmax_format}, transposed={self.is_transposed}")
