@@ -114,9 +114,28 @@ def _(x, expert_ids, packed, absmax, scale, codebook, k, in_features):
 
 # What the modules call. Backends may add an eager fast path here (e.g. a direct ctypes launch that skips the
 # custom-op dispatcher's Python overhead); under torch.compile the custom ops above are what gets traced.
+# kbit_hf/cuda_backend.py sets these two when its compiled library is loaded.
+_CUDA_FAST_LINEAR = None
+_CUDA_FAST_EXPERT_LINEAR = None
+
+
+def _eager_cuda(x) -> bool:
+    # The direct path bypasses the op's autograd formula and is invisible to torch.compile: use it only for eager,
+    # no-grad CUDA calls.
+    return (
+        x.is_cuda
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and not torch.compiler.is_compiling()
+    )
+
+
 def linear_forward(x, packed, absmax, scale, codebook, k: int, in_features: int, bias=None):
+    if _CUDA_FAST_LINEAR is not None and _eager_cuda(x):
+        return _CUDA_FAST_LINEAR(x, packed, absmax, scale, codebook, k, in_features, bias)
     return torch.ops.kbit.linear(x, packed, absmax, scale, codebook, k, in_features, bias)
 
 
 def expert_linear_forward(x, expert_ids, packed, absmax, scale, codebook, k: int, in_features: int):
+    if _CUDA_FAST_EXPERT_LINEAR is not None and _eager_cuda(x):
+        return _CUDA_FAST_EXPERT_LINEAR(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
     return torch.ops.kbit.expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Compile every CUDA source in csrc/ for the target architectures (sm_80, sm_86, sm_89, sm_90) and link the
+# shared library, without a GPU. CI calls this so that a kernel that does not build never lands.
+# Usage: csrc/check_build.sh [output_dir]     (env NVCC, KBIT_CUDA_ARCHS="80 86 89 90", JOBS)
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${1:-$(mktemp -d)}"
+mkdir -p "$out"
+NVCC="${NVCC:-nvcc}"
+if ! command -v "$NVCC" >/dev/null 2>&1; then
+  echo "check_build: nvcc not found" >&2
+  exit 1
+fi
+archs="${KBIT_CUDA_ARCHS:-80 86 89 90}"
+gencode=()
+for a in $archs; do gencode+=("-gencode=arch=compute_${a},code=sm_${a}"); done
+flags=(-O3 -std=c++17 --expt-relaxed-constexpr -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -Werror all-warnings "${gencode[@]}")
+pids=()
+objs=()
+for src in "$here"/*.cu; do
+  obj="$out/$(basename "${src%.cu}").o"
+  objs+=("$obj")
+  echo "check_build: $NVCC ${src#$here/} for sm_{${archs// /,}}"
+  "$NVCC" "${flags[@]}" -c "$src" -o "$obj" &
+  pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=1; done
+if [ "$rc" != 0 ]; then echo "check_build: FAILED" >&2; exit 1; fi
+"$NVCC" -shared "${gencode[@]}" -cudart static -o "$out/libkbit_cuda.so" "${objs[@]}"
+# the C ABI symbols must be exported
+for sym in kbit_abi_version kbit_error_string kbit_quantize kbit_dequantize kbit_gemv kbit_expert_gemv; do
+  nm -D --defined-only "$out/libkbit_cuda.so" | grep -q " T $sym\$" || { echo "check_build: $sym not exported" >&2; exit 1; }
+done
+echo "check_build: OK ($out/libkbit_cuda.so)"

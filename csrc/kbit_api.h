@@ -1,0 +1,45 @@
+/* kbit_api.h: the plain C ABI of libkbit_cuda.so (loaded by kbit_hf/cuda_backend.py through ctypes).
+ *
+ * No torch types cross this boundary: tensors are raw device pointers plus sizes, dtypes are small integers
+ * (0 = float32, 1 = float16, 2 = bfloat16), streams are cudaStream_t passed as void*. Every function only
+ * launches work on the given stream (no allocation, no synchronisation), so all of them are CUDA-graph
+ * capturable, and returns 0 or a cudaError_t code (kbit_error_string turns it into text). All tensors must be
+ * contiguous. Shapes: weight [E, out, in]; packed uint32 [E, out, nb*k]; absmax uint8 or fp16 [E, out, nb];
+ * scale float32 [E]; codebook float32 [2^k], nb = ceil(in / 32).
+ */
+#pragma once
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KBIT_API __attribute__((visibility("default")))
+
+KBIT_API int kbit_abi_version(void);
+KBIT_API const char* kbit_error_string(int code);
+
+/* quantize: weight (dtype w_dtype) -> packed, absmax, scale. scale doubles as scratch for the per-tensor max. */
+KBIT_API int kbit_quantize(const void* weight, int w_dtype, int64_t E, int64_t out, int64_t in,
+                           const float* codebook, int k, int absmax_fp16, uint32_t* packed, void* absmax,
+                           float* scale, void* stream);
+
+/* dequantize -> y [E, out, in] in y_dtype. */
+KBIT_API int kbit_dequantize(const uint32_t* packed, const void* absmax, int absmax_fp16, const float* scale,
+                             const float* codebook, int k, int64_t E, int64_t out, int64_t in, void* y,
+                             int y_dtype, void* stream);
+
+/* fused dequant-GEMV: y[m, o] = sum_i x[m, i] * W[o, i] (+ bias[o]), m < M, 1 <= M <= 4, x/bias/y in x_dtype
+ * (float16 or bfloat16), fp32 accumulation. E == 1 (packed [out, nb*k]). */
+KBIT_API int kbit_gemv(const void* x, int x_dtype, int64_t M, const uint32_t* packed, const void* absmax,
+                       int absmax_fp16, const float* scale, const float* codebook, int k, int64_t out, int64_t in,
+                       const void* bias, void* y, void* stream);
+
+/* grouped GEMV for experts: y[n, o] = x[n] @ W[ids[n]]^T, rows with ids outside [0, E) are zero. ids int64 [N]. */
+KBIT_API int kbit_expert_gemv(const void* x, int x_dtype, int64_t N, const int64_t* ids, int64_t E,
+                              const uint32_t* packed, const void* absmax, int absmax_fp16, const float* scale,
+                              const float* codebook, int k, int64_t out, int64_t in, void* y, void* stream);
+
+#ifdef __cplusplus
+}
+#endif

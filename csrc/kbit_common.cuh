@@ -1,0 +1,141 @@
+// kbit_common.cuh: device helpers shared by every kbit kernel (see kbit_hf/format.py for the format).
+//
+// Everything here is __host__ __device__ where possible so that the bit tricks can be unit-tested on the CPU
+// (csrc/host_selftest.cu compiles them into a host program).
+#pragma once
+
+#include <cstdint>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace kbit {
+
+constexpr int BLOCK = 32;
+
+// ---- dtypes shared with the C ABI ----
+enum DType : int { F32 = 0, F16 = 1, BF16 = 2 };
+
+// ---- E4M4 (4 exponent bits, bias 11, 4 mantissa bits, subnormals, unsigned) ----
+// decode: e == 0 -> m/16 * 2^-10 ; else (1 + m/16) * 2^(e-11). Pure bit arithmetic, exact.
+__host__ __device__ __forceinline__ float e4m4_decode(uint32_t code) {
+  uint32_t e = code >> 4, m = code & 15u;
+  if (e == 0) return (float)m * (1.0f / 16384.0f);  // m * 2^-14, exact
+  uint32_t bits = ((e + 116u) << 23) | (m << 19);  // 116 = 127 - 11
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+// encode: round a float in [0, 31] to the nearest code, an exact tie to the even code (== format.e4m4_encode).
+__host__ __device__ __forceinline__ uint32_t e4m4_encode(float a) {
+  if (a < (1.0f / 1024.0f)) {
+    // subnormal range: code = m = rint(a * 2^14) (exact scaling, rint = ties to even); 16 is 2^-10, the first normal.
+    float t = a * 16384.0f;
+#ifdef __CUDA_ARCH__
+    return (uint32_t)__float2int_rn(t);
+#else
+    return (uint32_t)nearbyintf(t);  // default rounding mode: to nearest even
+#endif
+  }
+  uint32_t bits;
+  memcpy(&bits, &a, 4);
+  uint32_t ee = (bits >> 23) - 116u;  // biased E4M4 exponent (>= 1 here)
+  uint32_t code = (ee << 4) | ((bits >> 19) & 15u);
+  uint32_t rem = bits & 0x7FFFFu;
+  if (rem > 0x40000u || (rem == 0x40000u && (code & 1u))) code += 1;  // carry into the exponent is right
+  return code;
+}
+
+// ---- bit-plane transpose ----
+// Input: the k words of one block (word j = bit j of the 32 indices) and s in 0..3. Output: a 32-bit word whose
+// nibble e (bits 4e..4e+3) is the index of element 8*s + e, for k <= 4 (planes >= k are passed as 0).
+// Cost: 3 PRMT + 3 delta swaps (12 ALU ops) for 8 elements.
+__host__ __device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t sel) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(a, b, sel);
+#else
+  uint64_t v = ((uint64_t)b << 32) | a;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= (uint32_t)((v >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+  return r;
+#endif
+}
+
+__host__ __device__ __forceinline__ uint32_t delta_swap(uint32_t x, int delta, uint32_t mask) {
+  uint32_t t = ((x >> delta) ^ x) & mask;
+  return x ^ t ^ (t << delta);
+}
+
+// sel = s | ((s + 4) << 4), precomputed per thread.
+__host__ __device__ __forceinline__ uint32_t planes_to_nibbles(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3,
+                                                               uint32_t sel) {
+  // r = [byte s of w0, byte s of w2, byte s of w1, byte s of w3]: bit position p = 8*i + e with the byte index
+  // i = (j0 << 1) | j1 of plane j; three index-bit swaps (4<->2, 3<->1, 2<->0) move bit (j, e) to 4*e + j.
+  uint32_t lo = byte_perm(w0, w2, sel);
+  uint32_t hi = byte_perm(w1, w3, sel);
+  uint32_t r = byte_perm(lo, hi, 0x5410);
+  r = delta_swap(r, 12, 0x0000F0F0u);
+  r = delta_swap(r, 6, 0x00CC00CCu);
+  r = delta_swap(r, 3, 0x0A0A0A0Au);
+  return r;
+}
+
+// ---- element conversions ----
+template <typename T> struct Cvt;
+template <> struct Cvt<float> {
+  __device__ static __forceinline__ float to_f(float v) { return v; }
+  __device__ static __forceinline__ float from_f(float v) { return v; }
+};
+template <> struct Cvt<__half> {
+  __device__ static __forceinline__ float to_f(__half v) { return __half2float(v); }
+  __device__ static __forceinline__ __half from_f(float v) { return __float2half_rn(v); }
+};
+template <> struct Cvt<__nv_bfloat16> {
+  __device__ static __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static __forceinline__ __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
+};
+
+// two packed 16-bit values -> two floats
+template <typename T> __device__ __forceinline__ void unpack2(uint32_t u, float& lo, float& hi);
+template <> __device__ __forceinline__ void unpack2<__nv_bfloat16>(uint32_t u, float& lo, float& hi) {
+  lo = __uint_as_float(u << 16);
+  hi = __uint_as_float(u & 0xFFFF0000u);
+}
+template <> __device__ __forceinline__ void unpack2<__half>(uint32_t u, float& lo, float& hi) {
+  __half2 h = *reinterpret_cast<__half2*>(&u);
+  float2 f = __half22float2(h);
+  lo = f.x;
+  hi = f.y;
+}
+
+// block scale (stored E4M4 byte or fp16) -> float
+__device__ __forceinline__ float load_absmax(const void* absmax, size_t i, int absmax_fp16) {
+  if (absmax_fp16) return __half2float(reinterpret_cast<const __half*>(absmax)[i]);
+  return e4m4_decode(reinterpret_cast<const uint8_t*>(absmax)[i]);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  return v;
+}
+
+// Index (0..2^k-1) of element 8*s+e, given nib = planes_to_nibbles(...) and for k == 5 q4 = word4 >> 8s.
+// Only the low 5 bits of the result matter when it is used as a __shfl_sync source lane with the codebook
+// replicated across the 32 lanes (lane l holds codebook[l % 2^k]), so for k <= 4 no mask is needed.
+template <int K, int E>
+__device__ __forceinline__ uint32_t elem_lane(uint32_t nib, uint32_t q4) {
+  if constexpr (K == 5) {
+    return ((nib >> (4 * E)) & 15u) | (((q4 >> E) & 1u) << 4);
+  } else {
+    return nib >> (4 * E);
+  }
+}
+
+}  // namespace kbit

@@ -1,0 +1,378 @@
+"""CUDA backend: loads libkbit_cuda.so (plain C ABI, see csrc/kbit_api.h) with ctypes and registers its kernels as
+the "cuda" implementations of the torch.ops.kbit.* custom ops.
+
+- Library found: `torch.library.register_kernel(op, "cuda", ...)` for quantize / dequantize / linear /
+  expert_linear, plus eager fast paths (`linear`, `expert_linear`) that kbit_hf.ops.linear_forward calls directly
+  (a ctypes launch skips the custom-op dispatcher's Python cost), and allocation-free `*_out` variants.
+- Library missing (CPU-only install, no CUDA toolkit at build time): importing this module never fails; the CUDA
+  kernels registered are the reference ops, behind one clear warning the first time a CUDA tensor arrives.
+
+Every launch goes on torch's current stream of the tensor's device; the library never allocates or synchronises,
+so the linear / dequantize paths can be captured in CUDA graphs. The library is looked up at $KBIT_CUDA_LIB, then
+kbit_hf/_lib/libkbit_cuda.so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import format as fmt
+from . import ops as _ops
+from . import reference
+
+__all__ = [
+    "available",
+    "load_error",
+    "library_path",
+    "quantize",
+    "quantize_out",
+    "dequantize",
+    "dequantize_out",
+    "linear",
+    "linear_out",
+    "expert_linear",
+    "GEMV_MAX_M",
+    "EXPERT_GEMV_MAX_N",
+]
+
+GEMV_MAX_M = 4  # the fused dequant-GEMV handles up to this many activation rows; more -> dequantize + cuBLAS
+EXPERT_GEMV_MAX_N = 64  # grouped GEMV (one weight read per row) up to this many rows; more -> per-expert matmuls
+
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+_lib = None
+_load_error: str | None = None
+_lib_path: str | None = None
+
+
+def _candidates():
+    env = os.environ.get("KBIT_CUDA_LIB")
+    if env:
+        yield Path(env)
+    yield Path(__file__).resolve().parent / "_lib" / "libkbit_cuda.so"
+
+
+def _load():
+    global _lib, _load_error, _lib_path
+    errors = []
+    for path in _candidates():
+        if not path.is_file():
+            errors.append(f"{path}: not found")
+            continue
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as exc:  # e.g. no libcuda on this machine
+            errors.append(f"{path}: {exc}")
+            continue
+        vp, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.kbit_abi_version.restype = i32
+        lib.kbit_abi_version.argtypes = []
+        lib.kbit_error_string.restype = ctypes.c_char_p
+        lib.kbit_error_string.argtypes = [i32]
+        for name, args in {
+            "kbit_quantize": [vp, i32, i64, i64, i64, vp, i32, i32, vp, vp, vp, vp],
+            "kbit_dequantize": [vp, vp, i32, vp, vp, i32, i64, i64, i64, vp, i32, vp],
+            "kbit_gemv": [vp, i32, i64, vp, vp, i32, vp, vp, i32, i64, i64, vp, vp, vp],
+            "kbit_expert_gemv": [vp, i32, i64, vp, i64, vp, vp, i32, vp, vp, i32, i64, i64, vp, vp],
+        }.items():
+            fn = getattr(lib, name)
+            fn.restype = i32
+            fn.argtypes = args
+        if lib.kbit_abi_version() != 1:
+            errors.append(f"{path}: ABI version {lib.kbit_abi_version()} != 1 (rebuild the package)")
+            continue
+        _lib, _lib_path = lib, str(path)
+        return
+    _load_error = "; ".join(errors)
+
+
+try:
+    _load()
+except Exception as exc:  # never let a broken library break `import kbit_hf`
+    _lib, _load_error = None, f"{type(exc).__name__}: {exc}"
+
+
+def available() -> bool:
+    """True when the compiled CUDA library was loaded (a GPU may still be absent)."""
+    return _lib is not None
+
+
+def load_error() -> str | None:
+    return _load_error
+
+
+def library_path() -> str | None:
+    return _lib_path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers
+
+try:
+    _raw_stream = torch._C._cuda_getCurrentRawStream  # int handle of the current stream of a device index
+except AttributeError:  # pragma: no cover - older/newer torch
+    _raw_stream = None
+
+
+def _stream(device: torch.device) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        msg = _lib.kbit_error_string(rc).decode(errors="replace")
+        raise RuntimeError(f"kbit CUDA {what} failed: {msg} (cudaError {rc})")
+
+
+class _on_device:
+    """Make `device` current for the launch when it is not already (multi-GPU); free in the common case."""
+
+    __slots__ = ("idx", "prev")
+
+    def __init__(self, device: torch.device):
+        self.idx = device.index
+
+    def __enter__(self):
+        self.prev = None
+        if self.idx is not None and torch.cuda.device_count() > 1:
+            cur = torch.cuda.current_device()
+            if cur != self.idx:
+                self.prev = cur
+                torch.cuda.set_device(self.idx)
+
+    def __exit__(self, *exc):
+        if self.prev is not None:
+            torch.cuda.set_device(self.prev)
+
+
+def _absmax_fp16(absmax: torch.Tensor) -> int:
+    if absmax.dtype == torch.uint8:
+        return 0
+    if absmax.dtype == torch.float16:
+        return 1
+    raise ValueError(f"absmax tensor has dtype {absmax.dtype}; expected uint8 (e4m4) or float16 (fp16)")
+
+
+def _cb(codebook: torch.Tensor, device: torch.device, k: int) -> torch.Tensor:
+    if codebook.device != device or codebook.dtype != torch.float32 or not codebook.is_contiguous():
+        codebook = codebook.to(device=device, dtype=torch.float32).contiguous()
+    if codebook.numel() != 2**k:
+        raise ValueError(f"codebook has {codebook.numel()} entries; expected {2**k} for k={k}")
+    return codebook
+
+
+def _check_k(k: int) -> None:
+    if k not in fmt.SUPPORTED_K:
+        raise ValueError(f"k={k} is not supported (expected one of {fmt.SUPPORTED_K})")
+
+
+def _check_shapes(packed, absmax, scale, k, in_features):
+    *lead, out, words = packed.shape
+    nb = fmt.n_blocks(in_features)
+    if words != nb * k or tuple(absmax.shape) != (*lead, out, nb) or tuple(scale.shape) != tuple(lead):
+        raise ValueError(
+            f"kbit tensors do not fit together for k={k}, in_features={in_features}: packed {tuple(packed.shape)}, "
+            f"absmax {tuple(absmax.shape)}, scale {tuple(scale.shape)}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# allocation-free entry points (the library writes into the given tensors)
+
+
+def quantize_out(weight, codebook, k, absmax_format, packed, absmax, scale):
+    """Quantize `weight` [..., out, in] (fp32/fp16/bf16, CUDA) into preallocated packed / absmax / scale."""
+    _check_k(k)
+    if weight.dtype not in _DTYPE_CODE:
+        weight = weight.float()
+    weight = weight.contiguous()
+    *lead, out, inp = weight.shape
+    E = 1
+    for d in lead:
+        E *= d
+    fp16 = 1 if absmax_format == "fp16" else 0
+    if absmax_format not in fmt.ABSMAX_FORMATS:
+        raise ValueError(f"absmax_format: unknown format {absmax_format!r} (expected one of {fmt.ABSMAX_FORMATS})")
+    cb = _cb(codebook, weight.device, k)
+    with _on_device(weight.device):
+        rc = _lib.kbit_quantize(weight.data_ptr(), _DTYPE_CODE[weight.dtype], E, out, inp, cb.data_ptr(), k, fp16,
+                                packed.data_ptr(), absmax.data_ptr(), scale.data_ptr(), _stream(weight.device))
+    _check(rc, "quantize")
+    return packed, absmax, scale
+
+
+def quantize(weight, codebook, k, absmax_format):
+    if weight.dim() < 2:
+        raise ValueError(f"kbit quantizes matrices [..., out, in]; got a tensor of shape {tuple(weight.shape)}")
+    fmt.check_finite(weight)
+    shapes = fmt.packed_shapes(tuple(weight.shape), k)
+    dev = weight.device
+    packed = torch.empty(shapes["packed"], dtype=torch.uint32, device=dev)
+    absmax = torch.empty(shapes["absmax"], dtype=torch.uint8 if absmax_format == "e4m4" else torch.float16, device=dev)
+    scale = torch.empty(shapes["scale"], dtype=torch.float32, device=dev)
+    return quantize_out(weight, codebook, k, absmax_format, packed, absmax, scale)
+
+
+def dequantize_out(packed, absmax, scale, codebook, k, in_features, out):
+    """Dequantize into `out` [..., out_features, in_features] (fp32/fp16/bf16, contiguous)."""
+    _check_k(k)
+    *lead, rows, _ = packed.shape
+    E = 1
+    for d in lead:
+        E *= d
+    dev = packed.device
+    with _on_device(dev):
+        rc = _lib.kbit_dequantize(packed.data_ptr(), absmax.data_ptr(), _absmax_fp16(absmax), scale.data_ptr(),
+                                  _cb(codebook, dev, k).data_ptr(), k, E, rows, in_features, out.data_ptr(),
+                                  _DTYPE_CODE[out.dtype], _stream(dev))
+    _check(rc, "dequantize")
+    return out
+
+
+def dequantize(packed, absmax, scale, codebook, k, in_features, dtype=torch.float32):
+    _check_shapes(packed, absmax, scale, k, in_features)
+    packed, absmax, scale = packed.contiguous(), absmax.contiguous(), scale.contiguous()
+    out = torch.empty((*packed.shape[:-1], in_features), dtype=dtype, device=packed.device)
+    if dtype not in _DTYPE_CODE:
+        return dequantize_out(packed, absmax, scale, codebook, k, in_features, torch.empty_like(out, dtype=torch.float32)).to(dtype)
+    return dequantize_out(packed, absmax, scale, codebook, k, in_features, out)
+
+
+def linear_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
+    """Fused dequant-GEMV into `out` [M, out_features]: x [M, in] contiguous fp16/bf16, 1 <= M <= 4, bias None or
+    x's dtype. No allocation, no synchronisation (CUDA-graph safe)."""
+    dev = x.device
+    with _on_device(dev):
+        rc = _lib.kbit_gemv(x.data_ptr(), _DTYPE_CODE[x.dtype], x.shape[0], packed.data_ptr(), absmax.data_ptr(),
+                            _absmax_fp16(absmax), scale.data_ptr(), _cb(codebook, dev, k).data_ptr(), k,
+                            packed.shape[0], in_features, 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+                            _stream(dev))
+    _check(rc, "gemv")
+    return out
+
+
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
+    """y = x @ W^T + bias on CUDA: fused GEMV for <= 4 rows (fp16/bf16), else dequantize + cuBLAS."""
+    lead = x.shape[:-1]
+    out_f = packed.shape[-2]
+    x2 = x.reshape(-1, x.shape[-1])
+    M = x2.shape[0]
+    if (
+        0 < M <= GEMV_MAX_M
+        and x.dtype in _GEMV_DTYPES
+        and packed.dim() == 2
+        and (bias is None or bias.dtype == x.dtype)
+    ):
+        _check_k(k)
+        if packed.shape[-1] != fmt.n_blocks(in_features) * k or x.shape[-1] != in_features:
+            _check_shapes(packed, absmax, scale, k, in_features)
+            raise ValueError(f"x has {x.shape[-1]} features; the weight expects {in_features}")
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        y = torch.empty((M, out_f), dtype=x.dtype, device=x.device)
+        linear_out(x2, packed.contiguous(), absmax.contiguous(), scale, codebook, k, in_features,
+                   None if bias is None else bias.contiguous(), y)
+        return y.view(*lead, out_f)
+    # Any other M (prefill) or dtype: dequantize on the GPU, then cuBLAS with fp32 accumulation. fp16/bf16
+    # activations use a weight in their own dtype (the tensor-core path); fp32 activations a fp32 weight.
+    wdtype = x.dtype if x.dtype in _GEMV_DTYPES else torch.float32
+    w = dequantize(packed, absmax, scale, codebook, k, in_features, wdtype)
+    if x.dtype == wdtype:
+        return F.linear(x, w, None if bias is None else bias.to(wdtype))
+    y = F.linear(x.float(), w, None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features):
+    """Row r = x[r] @ W[expert_ids[r]]^T; ids outside [0, E) give zero rows."""
+    N = x.shape[0]
+    E, out_f = packed.shape[0], packed.shape[1]
+    _check_k(k)
+    if N == 0:
+        return x.new_zeros((0, out_f))
+    if N <= EXPERT_GEMV_MAX_N and x.dtype in _GEMV_DTYPES:
+        _check_shapes(packed, absmax, scale, k, in_features)
+        x = x.contiguous()
+        ids = expert_ids.to(device=x.device, dtype=torch.int64).contiguous()
+        y = torch.empty((N, out_f), dtype=x.dtype, device=x.device)
+        dev = x.device
+        with _on_device(dev):
+            rc = _lib.kbit_expert_gemv(x.data_ptr(), _DTYPE_CODE[x.dtype], N, ids.data_ptr(), E,
+                                       packed.contiguous().data_ptr(), absmax.contiguous().data_ptr(),
+                                       _absmax_fp16(absmax), scale.contiguous().data_ptr(),
+                                       _cb(codebook, dev, k).data_ptr(), k, out_f, in_features, y.data_ptr(),
+                                       _stream(dev))
+        _check(rc, "expert gemv")
+        return y
+    # Many rows: group them by expert (one host sync), one linear per expert present.
+    y = torch.zeros((N, out_f), dtype=x.dtype, device=x.device)
+    valid = (expert_ids >= 0) & (expert_ids < E)
+    for e in torch.unique(expert_ids[valid]).tolist():
+        rows = (expert_ids == e).nonzero().squeeze(-1)
+        y[rows] = linear(x[rows], packed[e], absmax[e], scale[e], codebook, k, in_features).to(x.dtype)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# registration with the custom ops
+
+_warned = False
+
+
+def _warn_once():
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            "kbit_hf: CUDA tensors but no compiled kbit CUDA library "
+            f"({_load_error or 'not built'}); using the slow pure-PyTorch reference. Reinstall kbit_hf with a CUDA "
+            "toolkit (nvcc) on the PATH to build the kernels.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _register():
+    if _lib is not None:
+        impls = {
+            "kbit::quantize": quantize,
+            "kbit::dequantize": dequantize,
+            "kbit::linear": linear,
+            "kbit::expert_linear": expert_linear,
+        }
+    else:
+        def _fallback(fn):
+            def impl(*args, **kwargs):
+                _warn_once()
+                return fn(*args, **kwargs)
+
+            return impl
+
+        impls = {
+            "kbit::quantize": _fallback(reference.quantize),
+            "kbit::dequantize": _fallback(reference.dequantize),
+            "kbit::linear": _fallback(reference.linear),
+            "kbit::expert_linear": _fallback(reference.expert_linear),
+        }
+    for name, fn in impls.items():
+        torch.library.register_kernel(name, "cuda", fn)
+    if _lib is not None:
+        _ops._CUDA_FAST_LINEAR = linear
+        _ops._CUDA_FAST_EXPERT_LINEAR = expert_linear
+
+
+try:
+    _register()
+except Exception as exc:  # pragma: no cover - never break the import
+    warnings.warn(f"kbit_hf: could not register the CUDA kernels ({type(exc).__name__}: {exc})", RuntimeWarning)
