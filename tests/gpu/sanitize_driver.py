@@ -1,0 +1,45 @@
+"""Exercise every kbit CUDA kernel once on small odd shapes (for `compute-sanitizer --tool memcheck`).
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_driver.py
+"""
+
+import torch
+
+from kbit_hf import cuda_backend as cuda
+from kbit_hf import format as fmt
+
+
+def main():
+    assert cuda.available(), cuda.load_error()
+    n = 0
+    for k in fmt.SUPPORTED_K:
+        cb = fmt.nf_codebook(k).cuda()
+        for shape in [(1, 7), (3, 33), (9, 100), (2, 3, 64), (17, 520)]:
+            for wdt in (torch.float32, torch.float16, torch.bfloat16):
+                for af in fmt.ABSMAX_FORMATS:
+                    w = torch.randn(shape, device="cuda").to(wdt)
+                    p, a, s = cuda.quantize(w, cb, k, af)
+                    n += 1
+                    for odt in (torch.float32, torch.float16, torch.bfloat16):
+                        cuda.dequantize(p, a, s, cb, k, shape[-1], odt)
+                        n += 1
+            if len(shape) == 2:
+                for xdt in (torch.bfloat16, torch.float16):
+                    for M in (1, 2, 3, 4, 6):
+                        x = torch.randn(M, shape[-1], device="cuda", dtype=xdt)
+                        bias = torch.randn(shape[0], device="cuda", dtype=xdt)
+                        cuda.linear(x, p, a, s, cb, k, shape[-1], bias)
+                        cuda.linear(x, p, a, s, cb, k, shape[-1], None)
+                        n += 2
+            else:
+                for xdt in (torch.bfloat16, torch.float16):
+                    x = torch.randn(5, shape[-1], device="cuda", dtype=xdt)
+                    ids = torch.tensor([0, 1, -1, 2, 1], device="cuda")
+                    cuda.expert_linear(x, ids, p, a, s, cb, k, shape[-1])
+                    n += 1
+    torch.cuda.synchronize()
+    print(f"sanitize_driver: {n} kernel calls OK")
+
+
+if __name__ == "__main__":
+    main()

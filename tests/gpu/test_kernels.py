@@ -1,0 +1,235 @@
+"""Bit-exactness of the CUDA kernels against the pure-PyTorch reference (kbit_hf/reference.py)."""
+
+import functools
+
+import pytest
+import torch
+
+from kbit_hf import format as fmt
+from kbit_hf import reference
+
+pytestmark = pytest.mark.cuda
+
+KS = (2, 3, 4, 5)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# (lead dims..., out, in): in not a multiple of 32 / 8, out = 1, experts
+SHAPES = [(1, 32), (1, 7), (3, 50), (17, 1000), (5, 33), (64, 4096), (130, 264), (2, 5, 70), (4, 8, 96)]
+
+
+def _cuda():
+    from kbit_hf import cuda_backend
+
+    return cuda_backend
+
+
+def _weights(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g))  # heavy-ish tails
+    w[..., 0, :3] = 0  # zero block entries
+    if shape[-2] > 2:
+        w[..., 1, :] = 0  # an all-zero row (absmax 0)
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("absmax_format", fmt.ABSMAX_FORMATS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_quantize_bitexact(k, dtype, absmax_format, shape):
+    cb = fmt.nf_codebook(k)
+    w = _weights(shape, dtype, seed=k * 1000 + len(shape) + shape[-1])
+    ref = reference.quantize(w, cb, k, absmax_format)
+    got = _cuda().quantize(w.cuda(), cb.cuda(), k, absmax_format)
+    for name, r, g in zip(("packed", "absmax", "scale"), ref, got):
+        assert g.dtype == r.dtype and g.shape == r.shape, name
+        g = g.cpu()
+        if r.dtype == torch.uint32:
+            r, g = r.view(torch.int32), g.view(torch.int32)
+        assert torch.equal(g, r), f"{name} differs at {(g != r).nonzero()[:5].tolist()}"
+
+
+@pytest.mark.parametrize("k", KS)
+def test_quantize_custom_codebook_and_scales(k):
+    # a non-NF, asymmetric codebook; tiny and huge magnitudes in one tensor (E4M4 subnormals)
+    cb = torch.sort(torch.rand(2**k, generator=torch.Generator().manual_seed(k)) * 2 - 1).values
+    w = torch.randn(40, 160, generator=torch.Generator().manual_seed(7))
+    w[3] *= 1e-5
+    w[4] *= 1e4
+    w[5, :32] = 1e-30
+    for fmt_name in fmt.ABSMAX_FORMATS:
+        ref = reference.quantize(w, cb, k, fmt_name)
+        got = _cuda().quantize(w.cuda(), cb.cuda(), k, fmt_name)
+        for r, g in zip(ref, got):
+            if r.dtype == torch.uint32:
+                r, g = r.view(torch.int32), g.view(torch.int32)
+            assert torch.equal(g.cpu(), r)
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("absmax_format", fmt.ABSMAX_FORMATS)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_dequantize_bitexact(k, out_dtype, absmax_format, shape):
+    cb = fmt.nf_codebook(k)
+    w = _weights(shape, torch.float32, seed=3 + k)
+    p, a, s = reference.quantize(w, cb, k, absmax_format)
+    ref = reference.dequantize(p, a, s, cb, k, shape[-1], out_dtype)
+    out = torch.full(ref.shape, float("nan"), dtype=out_dtype, device="cuda")  # poison: every element must be written
+    _cuda().dequantize_out(p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, shape[-1], out)
+    assert torch.equal(out.cpu(), ref)
+    # through the custom op dispatcher too
+    got = torch.ops.kbit.dequantize(p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, shape[-1], out_dtype)
+    assert torch.equal(got.cpu(), ref)
+
+
+def _ref_linear64(x, p, a, s, cb, k, inf, bias=None):
+    w = reference.dequantize(p, a, s, cb, k, inf, torch.float32).double()
+    y = x.double() @ w.T
+    mag = x.double().abs() @ w.abs().T
+    if bias is not None:
+        y = y + bias.double()
+        mag = mag + bias.double().abs()
+    return y, mag
+
+
+def _assert_linear_close(y, ref, mag, dtype, rel_w=0.0):
+    eps = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-23}[dtype]
+    err = (y.double().cpu() - ref).abs()
+    # output rounding (one ulp) + fp32 accumulation + (dequant+cuBLAS path) weights rounded to the activation dtype
+    tol = eps * ref.abs() + (1e-5 + rel_w) * mag + 1e-30
+    assert bool((err <= tol).all()), f"max err {err.max().item()} vs tol {tol[err > tol][:3].tolist()}"
+
+
+GEMV_SHAPES = [(1, 32), (1, 4096), (7, 100), (33, 8), (256, 1000), (4096, 4096), (300, 14336), (64, 72)]
+
+
+@functools.lru_cache(maxsize=8)
+def _quantized(shape, k):
+    g = torch.Generator().manual_seed(shape[0] * 7 + shape[1] + k)
+    w = torch.randn(shape, generator=g)
+    absmax_format = "fp16" if (shape[0] + k) % 3 == 0 else "e4m4"
+    return reference.quantize(w, fmt.nf_codebook(k), k, absmax_format)
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("shape", GEMV_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("M", (1, 2, 3, 4))
+def test_gemv(k, dtype, M, shape):
+    out_f, in_f = shape
+    cb = fmt.nf_codebook(k)
+    g = torch.Generator().manual_seed(out_f * 7 + in_f + M + k)
+    p, a, s = _quantized(shape, k)
+    x = torch.randn(M, in_f, generator=g).to(dtype)
+    bias = torch.randn(out_f, generator=g).to(dtype) if out_f % 2 else None
+    ref, mag = _ref_linear64(x, p, a, s, cb, k, in_f, bias)
+    out = torch.full((M, out_f), float("nan"), dtype=dtype, device="cuda")
+    cb_, p_, a_, s_ = cb.cuda(), p.cuda(), a.cuda(), s.cuda()
+    _cuda().linear_out(x.cuda(), p_, a_, s_, cb_, k, in_f, None if bias is None else bias.cuda(), out)
+    _assert_linear_close(out, ref, mag, dtype)
+    y = torch.ops.kbit.linear(x.cuda(), p_, a_, s_, cb_, k, in_f, None if bias is None else bias.cuda())
+    _assert_linear_close(y, ref, mag, dtype)
+    from kbit_hf.ops import linear_forward
+
+    y = linear_forward(x.cuda().view(M, 1, in_f), p_, a_, s_, cb_, k, in_f, None if bias is None else bias.cuda())
+    assert y.shape == (M, 1, out_f)
+    _assert_linear_close(y.view(M, out_f), ref, mag, dtype)
+
+
+@pytest.mark.parametrize("k", (2, 4, 5))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("M", (5, 37, 300))
+def test_linear_large_m(k, dtype, M):
+    out_f, in_f = 192, 520
+    cb = fmt.nf_codebook(k)
+    g = torch.Generator().manual_seed(M + k)
+    w = torch.randn(out_f, in_f, generator=g)
+    p, a, s = reference.quantize(w, cb, k, "e4m4")
+    x = torch.randn(M, in_f, generator=g).to(dtype)
+    bias = torch.randn(out_f, generator=g).to(dtype)
+    ref, mag = _ref_linear64(x, p, a, s, cb, k, in_f, bias)
+    y = torch.ops.kbit.linear(x.cuda(), p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, in_f, bias.cuda())
+    assert y.dtype == dtype
+    rel_w = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 1e-5}[dtype]
+    _assert_linear_close(y, ref, mag, dtype, rel_w=rel_w)
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32), ids=str)
+@pytest.mark.parametrize("N", (1, 5, 64, 100))
+def test_expert_linear(k, dtype, N):
+    E, out_f, in_f = 6, 40, 136
+    cb = fmt.nf_codebook(k)
+    g = torch.Generator().manual_seed(N + k)
+    w = torch.randn(E, out_f, in_f, generator=g)
+    p, a, s = reference.quantize(w, cb, k, "e4m4")
+    x = torch.randn(N, in_f, generator=g).to(dtype)
+    ids = torch.randint(-1, E + 1, (N,), generator=g)  # includes -1 and E (EP sentinels)
+    ids[0] = -1 if N > 1 else 2
+    y = torch.ops.kbit.expert_linear(x.cuda(), ids.cuda(), p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, in_f)
+    from kbit_hf.ops import expert_linear_forward
+
+    y2 = expert_linear_forward(x.cuda(), ids.cuda(), p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, in_f)
+    wd = reference.dequantize(p, a, s, cb, k, in_f, torch.float32).double()
+    for r in range(N):
+        e = int(ids[r])
+        for yy in (y, y2):
+            if e < 0 or e >= E:
+                assert bool((yy[r] == 0).all())
+                continue
+            ref = x[r].double() @ wd[e].T
+            mag = x[r].double().abs() @ wd[e].abs().T
+            rel_w = 0.0 if N <= 64 and dtype != torch.float32 else {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 1e-5}[dtype]
+            _assert_linear_close(yy[r : r + 1], ref[None], mag[None], dtype, rel_w=rel_w)
+
+
+def test_cuda_graph_capture():
+    cuda = _cuda()
+    k, out_f, in_f = 4, 512, 1024
+    cb = fmt.nf_codebook(k).cuda()
+    w = torch.randn(out_f, in_f, device="cuda")
+    p, a, s = cuda.quantize(w, cb, k, "e4m4")
+    x = torch.randn(2, in_f, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(2, out_f, device="cuda", dtype=torch.bfloat16)
+    wd = torch.empty(out_f, in_f, device="cuda", dtype=torch.bfloat16)
+    s_ = torch.cuda.Stream()
+    s_.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s_):  # warm up on a side stream, as torch recommends before capture
+        cuda.linear_out(x, p, a, s, cb, k, in_f, None, y)
+        cuda.dequantize_out(p, a, s, cb, k, in_f, wd)
+    torch.cuda.current_stream().wait_stream(s_)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda.linear_out(x, p, a, s, cb, k, in_f, None, y)
+        cuda.dequantize_out(p, a, s, cb, k, in_f, wd)
+    x.copy_(torch.randn_like(x))
+    y.fill_(float("nan"))
+    wd.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(wd, cuda.dequantize(p, a, s, cb, k, in_f, torch.bfloat16))
+    assert torch.equal(y, cuda.linear(x, p, a, s, cb, k, in_f))
+
+
+def test_huge_tensor():
+    """> 2^31 elements: 64-bit indexing in quantize and dequantize."""
+    cuda = _cuda()
+    free, _ = torch.cuda.mem_get_info()
+    out_f, in_f, k = 65539, 32800, 2  # 2.15e9 elements, in % 32 != 0
+    if free < 16 * 2**30:
+        pytest.skip("needs 16 GiB of free GPU memory")
+    cb = fmt.nf_codebook(k).cuda()
+    w = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
+    w[-1, -1] = 100.0  # the tensor max sits in the checked tail rows, so their reference scale is the tensor's
+    p, a, s = cuda.quantize(w, cb, k, "e4m4")
+    tail = slice(out_f - 3, out_f)
+    rp, ra, rs = reference.quantize(w[tail].cpu(), cb.cpu(), k, "e4m4")
+    assert torch.equal(s.cpu(), rs)
+    assert torch.equal(p[tail].cpu().view(torch.int32), rp.view(torch.int32))
+    assert torch.equal(a[tail].cpu(), ra)
+    del w
+    y = cuda.dequantize(p, a, s, cb, k, in_f, torch.bfloat16)
+    ref = reference.dequantize(rp, ra, rs, cb.cpu(), k, in_f, torch.bfloat16)
+    assert torch.equal(y[tail].cpu(), ref)
+    head = reference.dequantize(p[:2].cpu(), a[:2].cpu(), s.cpu(), cb.cpu(), k, in_f, torch.bfloat16)
+    assert torch.equal(y[:2].cpu(), head)
