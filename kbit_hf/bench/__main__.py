@@ -1,0 +1,34 @@
+"""python -m kbit_hf.bench <subcommand>
+
+  kernels   kbit dequantize / fused GEMV (K = 2..5) against bf16 cuBLAS, tinygemm int4 (aten._weight_int4pack_mm,
+            group 32) and bitsandbytes NF4 (when importable), in microseconds and % of measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m kbit_hf.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    pk = sub.add_parser("kernels", help="kernel micro-benchmarks (needs a CUDA GPU and the compiled library)")
+    pk.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336,28672x8192",
+                    help="comma-separated OUTxIN weight shapes")
+    pk.add_argument("--m", default="1,2,4", help="comma-separated activation rows M")
+    pk.add_argument("--k", default="2,3,4,5", help="comma-separated K")
+    pk.add_argument("--repeats", type=int, default=30, help="graph replays; the median is reported")
+    pk.add_argument("--dequant-shape", default="8192x8192", help="OUTxIN for the dequantize benchmark (>= 64M elements)")
+    pk.add_argument("--json", default=None, help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.cmd == "kernels":
+        from .kernels import run
+
+        return run(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
