@@ -86,7 +86,7 @@ class KbitHfQuantizer(HfQuantizer):
 
     def param_element_size(self, model, param_name: str, param: torch.Tensor) -> float:
         # Float placeholders of an on-the-fly load will hold k bits per element; companions count themselves.
-        if self.param_needs_quantization(model, param_name):
+        if param.is_floating_point() and self.param_needs_quantization(model, param_name):
             return self.quantization_config.k / 8
         return param.element_size()
 
@@ -156,13 +156,18 @@ class KbitHfQuantizer(HfQuantizer):
                 got = {s: getattr(module, name + s) for s in ("",) + COMPANIONS}
                 want = {"": (expected["packed"], torch.uint32), "_absmax": (expected["absmax"], absmax_dtype),
                         "_scale": (expected["scale"], torch.float32), "_codebook": (expected["codebook"], torch.float32)}
+                offloaded = hasattr(module, "_hf_hook")  # accelerate keeps disk/cpu-offloaded tensors elsewhere
                 for suffix, (shape, dtype) in want.items():
                     t = got[suffix]
-                    if t.device.type == "meta" or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                    if not offloaded and not getattr(t, "_is_hf_initialized", False):
+                        # transformers "initializes" missing params with empty memory: never compute with that
+                        raise ValueError(f"kbit checkpoint is missing {mod_name}.{name}{suffix} (truncated or "
+                                         "incomplete checkpoint?)")
+                    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
                         raise ValueError(
-                            f"kbit checkpoint mismatch at {mod_name}.{name}{suffix}: got {t.dtype} {tuple(t.shape)}"
-                            f"{' (never loaded)' if t.device.type == 'meta' else ''}, expected {dtype} {tuple(shape)} "
-                            f"for k={k}, absmax_format={self.quantization_config.absmax_format!r}"
+                            f"kbit checkpoint mismatch at {mod_name}.{name}{suffix}: got {t.dtype} {tuple(t.shape)}, "
+                            f"expected {dtype} {tuple(shape)} for k={k}, "
+                            f"absmax_format={self.quantization_config.absmax_format!r}"
                         )
                     t.requires_grad_(False)
 

@@ -1,0 +1,72 @@
+"""KbitConfig: defaults, JSON round trip through config.json, and clear errors naming the field."""
+
+import json
+
+import pytest
+from transformers import AutoConfig
+from transformers.quantizers import auto
+
+import kbit_hf
+from kbit_hf import KbitConfig
+
+
+def test_defaults():
+    c = KbitConfig()
+    assert (c.k, c.codebook, c.absmax_format, c.modules_to_not_convert, c.dequantize) == (4, "nf", "e4m4", None, False)
+    assert c.quant_method == "kbit" and c.bits_per_weight == 4.25
+
+
+def test_dict_and_json_round_trip():
+    c = KbitConfig(k=3, codebook=[-1, -0.5, -0.2, -0.05, 0.05, 0.2, 0.5, 1], absmax_format="fp16",
+                   modules_to_not_convert=["q_proj"])
+    d = json.loads(c.to_json_string())
+    assert d["quant_method"] == "kbit" and d["k"] == 3 and d["absmax_format"] == "fp16"
+    again = KbitConfig.from_dict(d)
+    assert again == c and again.codebook == [-1.0, -0.5, -0.2, -0.05, 0.05, 0.2, 0.5, 1.0]
+
+
+def test_registered_and_resolved_from_config_json(tmp_path):
+    assert auto.AUTO_QUANTIZATION_CONFIG_MAPPING["kbit"] is KbitConfig
+    assert auto.AUTO_QUANTIZER_MAPPING["kbit"] is kbit_hf.KbitHfQuantizer
+    from tiny_models import tiny_config
+
+    cfg = tiny_config("llama")
+    cfg.quantization_config = KbitConfig(k=5).to_dict()
+    cfg.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["quantization_config"]["k"] == 5
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert auto.AutoQuantizationConfig.from_dict(loaded.quantization_config) == KbitConfig(k=5)
+
+
+def test_register_is_idempotent():
+    kbit_hf.register()
+    kbit_hf.register()
+    assert sum(t is KbitConfig for t in auto.LOADING_ATTRIBUTES_CONFIG_TYPES) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(k=6), "k"),
+        (dict(k=1), "k"),
+        (dict(k="4"), "k"),
+        (dict(k=True), "k"),
+        (dict(codebook="nf5"), "codebook"),
+        (dict(k=2, codebook=[-1, 0, 1]), "codebook"),
+        (dict(k=2, codebook=[-1, 0.5, 0.2, 1]), "codebook"),
+        (dict(k=2, codebook=[-1, -0.2, -0.2, 1]), "codebook"),
+        (dict(k=2, codebook=[-1, float("nan"), 0.2, 1]), "codebook"),
+        (dict(k=2, codebook=[-1, -0.2, 0.2, float("inf")]), "codebook"),
+        (dict(k=2, codebook=[-2, -0.2, 0.2, 1]), "codebook"),
+        (dict(codebook=3), "codebook"),
+        (dict(absmax_format="fp8"), "absmax_format"),
+        (dict(modules_to_not_convert=[""]), "modules_to_not_convert"),
+        (dict(dequantize="yes"), "dequantize"),
+        (dict(format_version=99), "format_version"),
+        (dict(bits=4), "unknown field"),
+    ],
+)
+def test_bad_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        KbitConfig(**kwargs)

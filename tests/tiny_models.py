@@ -1,0 +1,48 @@
+"""Tiny random models built from configs (no model hub): one dense family and the MoE families kbit supports."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 320
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=128, tie_word_embeddings=False)
+
+# name -> (config class, extra config fields). Sizes are deliberately not all multiples of 32 (hidden 64 is,
+# the intermediate sizes are not) so that padded blocks are exercised end to end.
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(intermediate_size=100)),
+    "mixtral": ("MixtralConfig", dict(intermediate_size=72, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=96, moe_intermediate_size=40, shared_expert_intermediate_size=48,
+                                         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=96, moe_intermediate_size=40, num_experts=4,
+                                         num_experts_per_tok=2, head_dim=16)),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=40, num_experts=4, num_experts_per_tok=2)),
+    "deepseek_v3": ("DeepseekV3Config", dict(num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=40,
+                                             n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                             n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=None,
+                                             kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                                             v_head_dim=16)),
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=40, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                                     sliding_window=32, layer_types=["sliding_attention", "full_attention"])),
+}
+MOE_FAMILIES = [f for f in FAMILIES if f != "llama"]
+
+
+def tiny_config(family: str, **overrides):
+    cls_name, extra = FAMILIES[family]
+    cfg = getattr(transformers, cls_name)(**{**_COMMON, **extra, **overrides})
+    return cfg
+
+
+def tiny_model(family: str, dtype=torch.bfloat16, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=dtype)
+    with torch.no_grad():  # some families initialise expert weights to zero or leave them empty: make them random
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.05)
+            elif "bias" in name:
+                p.normal_(0, 0.01)
+    return model.eval()
