@@ -6,6 +6,7 @@ kbit checkpoints load back without re-quantizing.
 """
 
 from . import ops  # registers the torch.ops.kbit.* custom ops (reference implementations)
+from . import cuda_backend  # registers the CUDA kernels when the compiled library is present
 from .config import KbitConfig
 from .modules import KbitLinear, KbitMoE
 from .quantizer import KbitHfQuantizer
