@@ -311,3 +311,11 @@ def test_loading_without_import_registration_is_not_silent():
     from transformers.quantizers import AutoHfQuantizer
 
     assert AutoHfQuantizer.supports_quant_method({"quant_method": "kbit", "k": 4})
+
+
+def test_saved_kbit_model_loads_with_disk_offload(quantized, tmp_path):
+    model, folder = quantized("llama")
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    offloaded = AutoModelForCausalLM.from_pretrained(folder, device_map=device_map, offload_folder=str(tmp_path))
+    assert torch.equal(_logits(offloaded, _ids()), _logits(model, _ids()))

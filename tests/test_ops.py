@@ -1,0 +1,79 @@
+"""The op interface: reference semantics, autograd w.r.t. the input, sentinels, and torch.compile tracing."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kbit_hf  # noqa: F401  (registers torch.ops.kbit.*)
+from kbit_hf import format as fmt
+from kbit_hf import ops, reference
+
+
+def _packed(shape, k=4):
+    w = torch.randn(shape)
+    return w, ops.quantize(w, fmt.nf_codebook(k), k, "e4m4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_equals_dequantized_matmul(dtype):
+    w, (p, a, s) = _packed((40, 70))
+    cb = fmt.nf_codebook(4)
+    x = torch.randn(3, 5, 70).to(dtype)
+    bias = torch.randn(40).to(dtype)
+    y = ops.linear(x, p, a, s, cb, 4, 70, bias)
+    want = (F.linear(x.float(), ops.dequantize(p, a, s, cb, 4, 70, torch.float32)) + bias.float()).to(dtype)
+    assert y.dtype == dtype and y.shape == (3, 5, 40)
+    torch.testing.assert_close(y, want)
+
+
+def test_linear_gradient_wrt_input():
+    w, (p, a, s) = _packed((24, 50))
+    cb = fmt.nf_codebook(4)
+    x = torch.randn(4, 50, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(24, dtype=torch.float64, requires_grad=True)
+    y = ops.linear(x, p, a, s, cb, 4, 50, bias)
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    wd = ops.dequantize(p, a, s, cb, 4, 50, torch.float64)
+    torch.testing.assert_close(x.grad, g @ wd)
+    torch.testing.assert_close(bias.grad, g.sum(0))
+
+
+def test_expert_linear_rows_and_sentinels():
+    E, out, inp = 3, 20, 45
+    _, (p, a, s) = _packed((E, out, inp))
+    cb = fmt.nf_codebook(4)
+    x = torch.randn(6, inp)
+    ids = torch.tensor([2, 0, 3, 2, -1, 1])  # 3 (== E) and -1 are sentinels
+    y = ops.expert_linear(x, ids, p, a, s, cb, 4, inp)
+    for r, e in enumerate(ids.tolist()):
+        if 0 <= e < E:
+            torch.testing.assert_close(y[r], reference.linear(x[r:r + 1], p[e], a[e], s[e], cb, 4, inp)[0])
+        else:
+            assert torch.all(y[r] == 0)
+
+
+def test_kbit_linear_and_moe_compile_fullgraph(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from kbit_hf import KbitConfig, KbitLinear, KbitMoE
+    from tiny_models import tiny_model
+
+    tiny_model("qwen3_moe", dtype=torch.float32).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=KbitConfig(k=4))
+    lin = next(m for m in model.modules() if isinstance(m, KbitLinear))
+    moe = next(m for m in model.modules() if isinstance(m, KbitMoE))
+    x = torch.randn(5, lin.in_features)
+    torch._dynamo.reset()
+    compiled = torch.compile(lin, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), lin(x))
+    h = torch.randn(7, 64)
+    idx = torch.randint(0, moe.num_experts, (7, 2))
+    wts = torch.softmax(torch.randn(7, 2), -1)
+    compiled_moe = torch.compile(moe, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled_moe(h, idx, wts), moe(h, idx, wts))
+    with torch.no_grad():
+        ids = torch.randint(0, 300, (1, 6))
+        eager = model(ids).logits
+        whole = torch.compile(model, backend="aot_eager")(ids).logits
+    torch.testing.assert_close(whole, eager)
