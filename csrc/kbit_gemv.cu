@@ -6,8 +6,9 @@
 // (q = 0..7) and thread s handles elements 8s..8s+7 of block q. The k packed words of a block are read once per
 // warp (the 4 threads of a block load the same 16 bytes for k=4, so one warp load touches exactly one 128-byte line
 // of packed weights: each weight byte is read from DRAM once), the block scale byte once per block, x as one
-// 16-byte load of 8 activations per row (L1/L2 resident). U = 4 steps are loaded before any is used to keep
-// enough bytes in flight. Decode in registers: bit planes -> nibbles (3 PRMT + 3 delta swaps per 8 elements),
+// 16-byte load of 8 activations per row (L1/L2 resident). U = 8 steps of weights are loaded before any is used to keep
+// enough bytes in flight
+// (activations are loaded next to their use: L1 hits). Decode in registers: bit planes -> nibbles (3 PRMT + 3 delta swaps per 8 elements),
 // codebook lookup via __shfl_sync from a register (lane l holds codebook[l % 2^k]), scale byte decoded with bit
 // arithmetic. Per block: partial = sum(cb[idx] * x) in fp32, acc += d * partial; at the end a warp reduction,
 // times the per-tensor scale, plus bias, rounded to the activation dtype.
@@ -21,7 +22,7 @@ using namespace kbit;
 namespace {
 
 constexpr int WARPS = 8;
-constexpr int U = 4;
+constexpr int U = 8;  // 32-element blocks per thread group in flight per step
 
 template <int K>
 __device__ __forceinline__ void load_words(const uint32_t* __restrict__ p, bool ok, uint32_t (&wd)[5]) {
@@ -54,7 +55,7 @@ __device__ __forceinline__ uint4 load_x8(const T* __restrict__ xr, int64_t c0, i
 
 // x rows: x + m * in (m < M). ids != nullptr: expert mode (M == 1), token n = blockIdx.y, expert ids[n].
 template <int K, int M, typename T>
-__global__ void __launch_bounds__(WARPS * 32) gemv_kernel(
+__global__ void __launch_bounds__(WARPS * 32, (M <= 2 && K < 5 ? 3 : 2)) gemv_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ packed, const void* __restrict__ absmax, int absmax_fp16,
     const float* __restrict__ scale, const float* __restrict__ codebook, const T* __restrict__ bias,
     T* __restrict__ y, int64_t out, int64_t in, int64_t nb, const int64_t* __restrict__ ids, int64_t E, int vec) {
@@ -87,22 +88,27 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
 
+#pragma unroll 1
   for (int64_t b0 = 0; b0 < nb; b0 += 8 * U) {
+    // Issue all U weight loads of this step first (U * 128 bytes per warp for k=4 in flight), then consume them;
+    // activations are loaded next to their use (L1 hits: every warp of the CTA reads the same x).
     uint32_t wd[U][5];
     float d[U];
-    uint4 xv[U][M];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t b = b0 + u * 8 + q;
       const bool ok = b < nb;
       load_words<K>(wrow + b * K, ok, wd[u]);
       d[u] = ok ? load_absmax(absmax, arow + b, absmax_fp16) : 0.f;
-#pragma unroll
-      for (int m = 0; m < M; ++m)
-        xv[u][m] = ok ? load_x8(xr + m * in, b * BLOCK + 8 * s, in, vec) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
+      const int64_t b = b0 + u * 8 + q;
+      const bool ok = b < nb;
+      uint4 xv[M];
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+        xv[m] = ok ? load_x8(xr + m * in, b * BLOCK + 8 * s, in, vec) : make_uint4(0, 0, 0, 0);
       const uint32_t nib = planes_to_nibbles(wd[u][0], wd[u][1], wd[u][2], wd[u][3], sel);
       const uint32_t q4 = wd[u][4] >> (8 * s);
       float c[8];
@@ -111,7 +117,7 @@ __global__ void __launch_bounds__(WARPS * 32) gemv_kernel(
 #undef KBIT_CB
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        const uint32_t xw[4] = {xv[u][m].x, xv[u][m].y, xv[u][m].z, xv[u][m].w};
+        const uint32_t xw[4] = {xv[m].x, xv[m].y, xv[m].z, xv[m].w};
         float p = 0.f;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {

@@ -16,7 +16,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
 if [ "${SKIP_SAN:-0}" != 1 ]; then
-  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/gpu/sanitize_driver.py \
+  PYTHONPATH=$PWD timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/gpu/sanitize_driver.py \
     >"$OUT/sanitizer.log" 2>&1; echo "memcheck rc=$?"; tail -4 "$OUT/sanitizer.log"
   echo "sanitizer: $(( $(date +%s) - t0 )) s"
 fi
