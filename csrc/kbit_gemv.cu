@@ -42,7 +42,7 @@ __device__ __forceinline__ void load_words(const uint32_t* __restrict__ p, bool 
 
 // 8 activations x[c0 .. c0+7] as 4 packed pairs; zero past `in`.
 template <typename T>
-__device__ __forceinline__ uint4 load_x8(const T* __restrict__ xr, int64_t c0, int64_t in, int vec) {
+__device__ __forceinline__ uint4 load_x8(const T* __restrict__ xr, int c0, int in, int vec) {
   if (c0 >= in) return make_uint4(0, 0, 0, 0);
   if (vec) return __ldg(reinterpret_cast<const uint4*>(xr + c0));
   uint16_t h[8];
@@ -53,12 +53,75 @@ __device__ __forceinline__ uint4 load_x8(const T* __restrict__ xr, int64_t c0, i
                     h[6] | ((uint32_t)h[7] << 16));
 }
 
+// One step: U groups of 8 blocks starting at block b0. CHECK = false: all blocks are full and inside the row and x
+// is 16-byte aligned (no bounds logic at all); CHECK = true: the tail, with bounds checks on blocks and columns.
+template <int K, int M, typename T, bool CHECK, bool AF16>
+__device__ __forceinline__ void gemv_step(const T* const (&xm)[M], const uint32_t* __restrict__ wrow,
+                                          const void* __restrict__ arow, int b0, int nb, int in, int vec, float cb,
+                                          uint32_t s, uint32_t q, uint32_t sel, float (&acc)[M]) {
+  uint32_t wd[U][5];
+  float d[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int b = b0 + u * 8 + (int)q;
+    const bool ok = !CHECK || b < nb;
+    load_words<K>(wrow + b * K, ok, wd[u]);
+    if (AF16) d[u] = ok ? __half2float(reinterpret_cast<const __half*>(arow)[b]) : 0.f;
+    else d[u] = ok ? e4m4_decode(__ldcs(reinterpret_cast<const uint8_t*>(arow) + b)) : 0.f;
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int b = b0 + u * 8 + (int)q;
+    const int c0 = b * BLOCK + 8 * (int)s;
+    uint4 xv[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      if (!CHECK) xv[m] = __ldg(reinterpret_cast<const uint4*>(xm[m] + c0));
+      else xv[m] = (b < nb) ? load_x8(xm[m], c0, in, vec) : make_uint4(0, 0, 0, 0);
+    }
+    const uint32_t nib = planes_to_nibbles(wd[u][0], wd[u][1], wd[u][2], wd[u][3], sel);
+    const uint32_t q4 = wd[u][4] >> (8 * s);
+    float c[8];
+#define KBIT_CB(E_) c[E_] = __shfl_sync(0xFFFFFFFFu, cb, (int)elem_lane<K, E_>(nib, q4));
+    KBIT_CB(0) KBIT_CB(1) KBIT_CB(2) KBIT_CB(3) KBIT_CB(4) KBIT_CB(5) KBIT_CB(6) KBIT_CB(7)
+#undef KBIT_CB
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const uint32_t xw[4] = {xv[m].x, xv[m].y, xv[m].z, xv[m].w};
+      float p = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float lo, hi;
+        unpack2<T>(xw[i], lo, hi);
+        p = fmaf(c[2 * i], lo, p);
+        p = fmaf(c[2 * i + 1], hi, p);
+      }
+      acc[m] = fmaf(d[u], p, acc[m]);
+    }
+  }
+}
+
+template <int K, int M, typename T, bool AF16>
+__device__ __forceinline__ void gemv_row(const T* const (&xm)[M], const uint32_t* __restrict__ wrow,
+                                         const void* __restrict__ arow, int nb, int in, int vec, float cb, uint32_t s,
+                                         uint32_t q, uint32_t sel, float (&acc)[M]) {
+  int b0 = 0;
+  if (vec) {
+    const int nfull = in / BLOCK;  // blocks whose 32 columns all lie inside the row
+#pragma unroll 1
+    for (; b0 + 8 * U <= nfull; b0 += 8 * U)
+      gemv_step<K, M, T, false, AF16>(xm, wrow, arow, b0, nb, in, vec, cb, s, q, sel, acc);
+  }
+#pragma unroll 1
+  for (; b0 < nb; b0 += 8 * U) gemv_step<K, M, T, true, AF16>(xm, wrow, arow, b0, nb, in, vec, cb, s, q, sel, acc);
+}
+
 // x rows: x + m * in (m < M). ids != nullptr: expert mode (M == 1), token n = blockIdx.y, expert ids[n].
 template <int K, int M, typename T>
 __global__ void __launch_bounds__(WARPS * 32, (M <= 2 && K < 5 ? 3 : 2)) gemv_kernel(
     const T* __restrict__ x, const uint32_t* __restrict__ packed, const void* __restrict__ absmax, int absmax_fp16,
     const float* __restrict__ scale, const float* __restrict__ codebook, const T* __restrict__ bias,
-    T* __restrict__ y, int64_t out, int64_t in, int64_t nb, const int64_t* __restrict__ ids, int64_t E, int vec) {
+    T* __restrict__ y, int64_t out, int in, int nb, const int64_t* __restrict__ ids, int64_t E, int vec) {
   constexpr int NC = 1 << K;
   const int lane = threadIdx.x & 31;
   const int64_t o = (int64_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
@@ -75,61 +138,25 @@ __global__ void __launch_bounds__(WARPS * 32, (M <= 2 && K < 5 ? 3 : 2)) gemv_ke
       return;
     }
     e = id;
-    xr = x + n * in;
+    xr = x + n * (int64_t)in;
   }
   const float cb = __ldg(codebook + (lane & (NC - 1)));
   const uint32_t s = lane & 3, q = lane >> 2;
   const uint32_t sel = s | ((s + 4) << 4);
   const int64_t row = e * out + o;
   const uint32_t* __restrict__ wrow = packed + row * nb * K;
-  const size_t arow = (size_t)row * nb;
+  const T* xm[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) xm[m] = xr + (int64_t)m * in;
 
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.f;
-
-#pragma unroll 1
-  for (int64_t b0 = 0; b0 < nb; b0 += 8 * U) {
-    // Issue all U weight loads of this step first (U * 128 bytes per warp for k=4 in flight), then consume them;
-    // activations are loaded next to their use (L1 hits: every warp of the CTA reads the same x).
-    uint32_t wd[U][5];
-    float d[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t b = b0 + u * 8 + q;
-      const bool ok = b < nb;
-      load_words<K>(wrow + b * K, ok, wd[u]);
-      d[u] = ok ? load_absmax(absmax, arow + b, absmax_fp16) : 0.f;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t b = b0 + u * 8 + q;
-      const bool ok = b < nb;
-      uint4 xv[M];
-#pragma unroll
-      for (int m = 0; m < M; ++m)
-        xv[m] = ok ? load_x8(xr + m * in, b * BLOCK + 8 * s, in, vec) : make_uint4(0, 0, 0, 0);
-      const uint32_t nib = planes_to_nibbles(wd[u][0], wd[u][1], wd[u][2], wd[u][3], sel);
-      const uint32_t q4 = wd[u][4] >> (8 * s);
-      float c[8];
-#define KBIT_CB(E_) c[E_] = __shfl_sync(0xFFFFFFFFu, cb, (int)elem_lane<K, E_>(nib, q4));
-      KBIT_CB(0) KBIT_CB(1) KBIT_CB(2) KBIT_CB(3) KBIT_CB(4) KBIT_CB(5) KBIT_CB(6) KBIT_CB(7)
-#undef KBIT_CB
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const uint32_t xw[4] = {xv[m].x, xv[m].y, xv[m].z, xv[m].w};
-        float p = 0.f;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float lo, hi;
-          unpack2<T>(xw[i], lo, hi);
-          p = fmaf(c[2 * i], lo, p);
-          p = fmaf(c[2 * i + 1], hi, p);
-        }
-        acc[m] = fmaf(d[u], p, acc[m]);
-      }
-    }
-  }
+  if (absmax_fp16)
+    gemv_row<K, M, T, true>(xm, wrow, reinterpret_cast<const __half*>(absmax) + row * nb, nb, in, vec, cb, s, q, sel, acc);
+  else
+    gemv_row<K, M, T, false>(xm, wrow, reinterpret_cast<const uint8_t*>(absmax) + row * nb, nb, in, vec, cb, s, q, sel,
+                             acc);
   const float sc = scale[e];
 #pragma unroll
   for (int m = 0; m < M; ++m) {
@@ -150,10 +177,10 @@ int launch(const void* x, int64_t N, const int64_t* ids, int64_t E, const uint32
   const int64_t nb = (in + 31) / 32;
   const int vec = (in % 8 == 0) && ((reinterpret_cast<uintptr_t>(x) & 15) == 0);
   dim3 grid((unsigned)((out + WARPS - 1) / WARPS), (unsigned)(ids ? N : 1));
-  if (grid.y > 65535u) return (int)cudaErrorInvalidConfiguration;
+  if (grid.y > 65535u || in > (int64_t)1 << 30) return (int)cudaErrorInvalidConfiguration;
   gemv_kernel<K, M, T><<<grid, WARPS * 32, 0, st>>>(reinterpret_cast<const T*>(x), packed, absmax, fp16, scale, cb,
                                                     reinterpret_cast<const T*>(bias), reinterpret_cast<T*>(y), out,
-                                                    in, nb, ids, E, vec);
+                                                    (int)in, (int)nb, ids, E, vec);
   return (int)cudaGetLastError();
 }
 

@@ -132,6 +132,16 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"kbit CUDA {what} failed: {msg} (cudaError {rc})")
 
 
+_MULTI = None
+
+
+def _multi_gpu() -> bool:
+    global _MULTI
+    if _MULTI is None:
+        _MULTI = torch.cuda.device_count() > 1
+    return _MULTI
+
+
 class _on_device:
     """Make `device` current for the launch when it is not already (multi-GPU); free in the common case."""
 
@@ -142,7 +152,7 @@ class _on_device:
 
     def __enter__(self):
         self.prev = None
-        if self.idx is not None and torch.cuda.device_count() > 1:
+        if self.idx is not None and _multi_gpu():
             cur = torch.cuda.current_device()
             if cur != self.idx:
                 self.prev = cur
@@ -262,28 +272,52 @@ def linear_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y, dev):
+    return _lib.kbit_gemv(x.data_ptr(), 2 if x.dtype == torch.bfloat16 else 1, M, packed.data_ptr(),
+                          absmax.data_ptr(), 1 if absmax.dtype == torch.float16 else 0, scale.data_ptr(),
+                          codebook.data_ptr(), k, out_f, in_features, 0 if bias is None else bias.data_ptr(),
+                          y.data_ptr(), _stream(dev))
+
+
+_KSET = frozenset(fmt.SUPPORTED_K)
+
+
 def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
     """y = x @ W^T + bias on CUDA: fused GEMV for <= 4 rows (fp16/bf16), else dequantize + cuBLAS."""
-    lead = x.shape[:-1]
     out_f = packed.shape[-2]
-    x2 = x.reshape(-1, x.shape[-1])
-    M = x2.shape[0]
+    # Lean eager fast path (this is the per-token decode call: keep the Python work to a minimum).
     if (
-        0 < M <= GEMV_MAX_M
-        and x.dtype in _GEMV_DTYPES
+        x.dtype in _GEMV_DTYPES
         and packed.dim() == 2
+        and in_features > 0
+        and x.shape[-1] == in_features
+        and k in _KSET
         and (bias is None or bias.dtype == x.dtype)
     ):
-        _check_k(k)
-        if packed.shape[-1] != fmt.n_blocks(in_features) * k or x.shape[-1] != in_features:
-            _check_shapes(packed, absmax, scale, k, in_features)
-            raise ValueError(f"x has {x.shape[-1]} features; the weight expects {in_features}")
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        y = torch.empty((M, out_f), dtype=x.dtype, device=x.device)
-        linear_out(x2, packed.contiguous(), absmax.contiguous(), scale, codebook, k, in_features,
-                   None if bias is None else bias.contiguous(), y)
-        return y.view(*lead, out_f)
+        M = x.numel() // in_features
+        if 0 < M <= GEMV_MAX_M:
+            if packed.shape[1] != ((in_features + 31) >> 5) * k:
+                _check_shapes(packed, absmax, scale, k, in_features)
+            if not x.is_contiguous():
+                x = x.contiguous()
+            if not (packed.is_contiguous() and absmax.is_contiguous()):
+                packed, absmax = packed.contiguous(), absmax.contiguous()
+            if not codebook.is_cuda or codebook.dtype != torch.float32:
+                codebook = _cb(codebook, x.device, k)
+            if bias is not None and not bias.is_contiguous():
+                bias = bias.contiguous()
+            y = torch.empty((*x.shape[:-1], out_f), dtype=x.dtype, device=x.device)
+            dev = x.device
+            if _multi_gpu():
+                with _on_device(dev):
+                    rc = _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y, dev)
+            else:
+                rc = _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y, dev)
+            if rc:
+                _check(rc, "gemv")
+            return y
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
     # Any other M (prefill) or dtype: dequantize on the GPU, then cuBLAS with fp32 accumulation. fp16/bf16
     # activations use a weight in their own dtype (the tensor-core path); fp32 activations a fp32 weight.
     wdtype = x.dtype if x.dtype in _GEMV_DTYPES else torch.float32

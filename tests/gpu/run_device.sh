@@ -24,3 +24,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout 300 python3 -m kbit_hf.bench kernels --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   echo "bench: $(( $(date +%s) - t0 )) s"
 fi
+if [ "${RUN_ALL_CUDA:-0}" = 1 ]; then
+  timeout 400 python3 -m pytest tests -q -m cuda -p no:cacheprovider 2>&1 | tee "$OUT/pytest_all_cuda.log" | tail -15
+  echo "all cuda tests: $(( $(date +%s) - t0 )) s"
+fi
