@@ -33,8 +33,8 @@ import kbit_hf.modules
 import kbit_hf.ops
 import kbit_hf.reference
 from kbit_hf.modules import EXPERT_PROJS, KbitLinear, KbitMoE
-from tests.fake_hub import FakeHub
-from tests.tiny_models import VOCAB, tiny_model
+from fake_hub import FakeHub
+from tiny_models import VOCAB, tiny_model
 
 TOKEN = "hf_dummy"
 FAMILIES = ["llama", "mixtral"]
