@@ -18,7 +18,9 @@ class KbitConfig(QuantizationConfigMixin):
 
     Args:
         k: bits per weight index, 2, 3, 4 or 5.
-        codebook: "nf" (normal-float, the default) or an explicit list of 2**k sorted finite floats in [-1, 1].
+        codebook: "nf" (normal-float, symmetric, the default), "nf0" (normal-float with an exact zero, the
+            bitsandbytes NF4 construction; measurably better at k <= 4, see docs/perplexity.md) or an explicit
+            list of 2**k strictly increasing finite floats in [-1, 1].
         absmax_format: how each 32-weight block stores its scale: "e4m4" (1 byte, default) or "fp16" (2 bytes).
         modules_to_not_convert: extra module names to keep in full precision, as written in the model
             ("lm_head", "q_proj", "model.layers.0.mlp", ...). A name matches a module when it equals the module's
@@ -56,8 +58,9 @@ class KbitConfig(QuantizationConfigMixin):
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k not in fmt.SUPPORTED_K:
             raise ValueError(f"k: must be one of {fmt.SUPPORTED_K}, got {self.k!r}")
         if isinstance(self.codebook, str):
-            if self.codebook != "nf":
-                raise ValueError(f"codebook: unknown codebook name {self.codebook!r} (expected 'nf' or a list)")
+            if self.codebook not in fmt.NAMED_CODEBOOKS:
+                raise ValueError(f"codebook: unknown codebook name {self.codebook!r} (expected one of "
+                                 f"{sorted(fmt.NAMED_CODEBOOKS)} or a list)")
         elif isinstance(self.codebook, list):
             values = self.codebook
             if len(values) != 2**self.k:

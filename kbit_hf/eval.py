@@ -175,14 +175,14 @@ def device_description(device: str) -> str:
     return f"CPU: {name}, {os.cpu_count()} logical cores, torch threads {torch.get_num_threads()}"
 
 
-def _load(folder: str, k: int | None, absmax_format: str, device: str):
+def _load(folder: str, k: int | None, absmax_format: str, device: str, codebook: str = "nf"):
     from transformers import AutoModelForCausalLM
 
     from .config import KbitConfig
 
     kwargs = {"dtype": torch.float32}
     if k is not None:
-        kwargs["quantization_config"] = KbitConfig(k=k, absmax_format=absmax_format)
+        kwargs["quantization_config"] = KbitConfig(k=k, absmax_format=absmax_format, codebook=codebook)
     if device.startswith("cuda"):
         kwargs["device_map"] = device
     elif torch.cuda.is_available():
@@ -202,23 +202,23 @@ def run_perplexity(args) -> list[dict]:
     fed, predicted = scored_tokens(ids.numel(), args.seq_len)
     print(f"text: {ids.numel()} tokens; {fed} fed in windows of {args.seq_len}, {predicted} predicted; "
           f"device: {device_description(device)}", flush=True)
-    runs: list[tuple[int | None, str]] = [(None, "-")]
-    runs += [(k, f) for f in args.absmax_format for k in args.k]
+    runs: list[tuple[int | None, str, str]] = [(None, "-", "-")]
+    runs += [(k, f, c) for c in args.codebook for f in args.absmax_format for k in args.k]
     for extra in args.extra:
-        k, _, f = extra.partition("/")
-        runs.append((int(k), f or "e4m4"))
+        k, f, c = (extra.split("/") + ["", ""])[:3]
+        runs.append((int(k), f or "e4m4", c or "nf"))
     rows = []
-    for k, absmax_format in runs:
-        label = "fp32" if k is None else f"k={k} {absmax_format}"
+    for k, absmax_format, codebook in runs:
+        label = "fp32" if k is None else f"k={k} {absmax_format} {codebook}"
         t0 = time.perf_counter()
-        model = _load(folder, k, absmax_format, device)
+        model = _load(folder, k, absmax_format, device, codebook)
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         ppl = perplexity(model, tokenizer, ids, seq_len=args.seq_len, batch_size=args.batch_size,
                          progress=not args.quiet)
         eval_s = time.perf_counter() - t0
         row = {
-            "label": label, "k": k, "absmax_format": absmax_format,
+            "label": label, "k": k, "absmax_format": absmax_format, "codebook": codebook,
             "bits": 32.0 if k is None else fmt.bits_per_weight(k, absmax_format),
             "ppl": ppl, "mb": linear_bytes(model) / 1e6, "load_s": load_s, "eval_s": eval_s,
         }
@@ -227,11 +227,11 @@ def run_perplexity(args) -> list[dict]:
               flush=True)
         del model
     fp = rows[0]["ppl"]
-    table = ["| K | absmax | bits/weight | perplexity | ratio to fp32 | linear layers (MB) |",
-             "|---|---|---:|---:|---:|---:|"]
+    table = ["| K | codebook | absmax | bits/weight | perplexity | ratio to fp32 | linear layers (MB) |",
+             "|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         k = "fp32" if r["k"] is None else str(r["k"])
-        table.append(f"| {k} | {r['absmax_format']} | {r['bits']:g} | {r['ppl']:.3f} | {r['ppl'] / fp:.4f} | "
+        table.append(f"| {k} | {r['codebook']} | {r['absmax_format']} | {r['bits']:g} | {r['ppl']:.3f} | {r['ppl'] / fp:.4f} | "
                      f"{r['mb']:.1f} |")
     table_md = "\n".join(table)
     print("\n" + table_md)
@@ -268,7 +268,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5], choices=fmt.SUPPORTED_K)
     p.add_argument("--absmax-format", nargs="+", default=["e4m4"], choices=fmt.ABSMAX_FORMATS,
                    help="one row per (format, K)")
-    p.add_argument("--extra", nargs="*", default=[], metavar="K/FORMAT",
+    p.add_argument("--codebook", nargs="+", default=["nf"], choices=sorted(fmt.NAMED_CODEBOOKS),
+                   help="one row per (codebook, format, K)")
+    p.add_argument("--extra", nargs="*", default=[], metavar="K/FORMAT[/CODEBOOK]",
                    help="extra rows after the main grid, e.g. 4/fp16")
     p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens of the text")
     p.add_argument("--seq-len", type=int, default=512)

@@ -44,12 +44,29 @@ def nf_codebook(k: int) -> torch.Tensor:
     return q.to(torch.float32)
 
 
+def nf0_codebook(k: int) -> torch.Tensor:
+    """Normal-float with an exact zero (the bitsandbytes NF4 construction, for any k): 2^(k-1) positive quantiles
+    Phi^-1(linspace(p, 1/2, 2^(k-1) + 1)[:-1]), 2^(k-1) - 1 negative ones -Phi^-1(linspace(p, 1/2, 2^(k-1))[:-1]),
+    and 0, divided by the largest magnitude; p = ((1 - 1/(2(n-1))) + (1 - 1/(2n))) / 2 with n = 2^k
+    (0.9677 for k = 4, bitsandbytes' offset). For k = 4 this is bitsandbytes' NF4 table."""
+    n = 2**k
+    p = ((1 - 1 / (2 * (n - 1))) + (1 - 1 / (2 * n))) / 2
+    pos = torch.special.ndtri(torch.linspace(p, 0.5, n // 2 + 1, dtype=torch.float64, device="cpu")[:-1])
+    neg = -torch.special.ndtri(torch.linspace(p, 0.5, n // 2, dtype=torch.float64, device="cpu")[:-1])
+    values = torch.cat([neg, torch.zeros(1, dtype=torch.float64, device="cpu"), pos]).sort().values
+    return (values / values.abs().max()).to(torch.float32)
+
+
+NAMED_CODEBOOKS = {"nf": nf_codebook, "nf0": nf0_codebook}
+
+
 def make_codebook(k: int, codebook: str | list[float] | tuple[float, ...]) -> torch.Tensor:
-    """The float32 codebook tensor for a config value ("nf" or an explicit list, validated by KbitConfig)."""
+    """The float32 codebook tensor for a config value (a name in NAMED_CODEBOOKS or an explicit list)."""
     if isinstance(codebook, str):
-        if codebook != "nf":
-            raise ValueError(f"codebook: unknown codebook name {codebook!r} (expected 'nf' or a list of floats)")
-        return nf_codebook(k)
+        if codebook not in NAMED_CODEBOOKS:
+            raise ValueError(f"codebook: unknown codebook name {codebook!r} (expected one of "
+                             f"{sorted(NAMED_CODEBOOKS)} or a list of floats)")
+        return NAMED_CODEBOOKS[codebook](k)
     values = torch.tensor([float(v) for v in codebook], dtype=torch.float32, device="cpu")
     if values.numel() != 2**k:
         raise ValueError(f"codebook: expected {2**k} values for k={k}, got {values.numel()}")
@@ -180,6 +197,8 @@ __all__ = [
     "E4M4_MIN",
     "n_blocks",
     "nf_codebook",
+    "nf0_codebook",
+    "NAMED_CODEBOOKS",
     "make_codebook",
     "e4m4_table",
     "e4m4_encode",

@@ -18,7 +18,9 @@ _SECTION_TITLE = "## kbit quantization"
 
 
 def card_section(config) -> str:
-    codebook = "normal-float (nf)" if config.codebook == "nf" else f"custom ({len(config.codebook)} values)"
+    names = {"nf": "normal-float (nf)", "nf0": "normal-float with zero (nf0)"}
+    codebook = names.get(config.codebook, f"custom ({len(config.codebook)} values)") if isinstance(
+        config.codebook, str) else f"custom ({len(config.codebook)} values)"
     return (
         f"{_SECTION_TITLE}\n\n"
         f"This model's linear layers and MoE experts are quantized with "

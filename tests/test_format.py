@@ -193,3 +193,17 @@ def test_worked_example_in_docs():
     assert idx[0].item() == 0 and idx[20].item() == 2
     words = packed.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     assert (words[0, 1].item() >> 20) & 1 == 1 and (words[0, 0].item() >> 20) & 1 == 0
+
+
+def test_nf0_codebook():
+    # k = 4 reproduces bitsandbytes' NF4 table
+    nf4_bnb = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+               -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+               0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+               0.7229568362236023, 1.0]
+    torch.testing.assert_close(fmt.nf0_codebook(4), torch.tensor(nf4_bnb), rtol=0, atol=2e-4)
+    for k in fmt.SUPPORTED_K:
+        cb = fmt.nf0_codebook(k)
+        assert cb.numel() == 2**k and torch.all(cb[1:] > cb[:-1]) and 0.0 in cb.tolist()
+        assert cb[0].item() == -1.0 and cb[-1].item() == 1.0
+    assert torch.equal(fmt.make_codebook(3, "nf0"), fmt.nf0_codebook(3))
