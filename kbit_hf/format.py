@@ -158,13 +158,18 @@ def pack_bitplanes(idx: torch.Tensor, k: int) -> torch.Tensor:
     return words.flatten(-2).view(torch.uint32)
 
 
+_BYTE_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
 def unpack_bitplanes(packed: torch.Tensor, k: int) -> torch.Tensor:
     """uint32 [..., nb * k] -> int64 indices [..., nb, 32]."""
-    words = packed.view(torch.int32).unflatten(-1, (-1, k)).to(torch.int64) & 0xFFFFFFFF  # [..., nb, k]
-    lanes = torch.arange(BLOCK, device=packed.device, dtype=torch.int64)
-    bits = (words.unsqueeze(-1) >> lanes) & 1  # [..., nb, k, 32]
-    planes = torch.arange(k, device=packed.device, dtype=torch.int64).view(k, 1)
-    return (bits << planes).sum(dim=-2)
+    # Works on little-endian bytes in uint8 (small temporaries): byte b of word j holds bit j of elements 8b..8b+7.
+    planes = packed.contiguous().view(torch.uint8).unflatten(-1, (-1, k, 4))  # [..., nb, k, 4]
+    bits = (planes.unsqueeze(-1) >> _BYTE_SHIFTS.to(packed.device)) & 1  # [..., nb, k, 4, 8]
+    idx = bits[..., 0, :, :].clone()
+    for j in range(1, k):
+        idx |= bits[..., j, :, :] << j
+    return idx.flatten(-2).long()  # [..., nb, 32]
 
 
 def bits_per_weight(k: int, absmax_format: str) -> float:

@@ -146,8 +146,7 @@ class KbitHfQuantizer(HfQuantizer):
             elif isinstance(module, KbitMoE):
                 items = []
                 for name in module.quantized_names:
-                    e, out_dim = getattr(module, name).shape[0], None
-                    out_dim = getattr(module, name + "_absmax").shape[1]
+                    e, out_dim = getattr(module, name + "_absmax").shape[:2]
                     items.append((name, (e, out_dim, module.in_features[name])))
             else:
                 continue
