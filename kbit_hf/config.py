@@ -18,9 +18,9 @@ class KbitConfig(QuantizationConfigMixin):
 
     Args:
         k: bits per weight index, 2, 3, 4 or 5.
-        codebook: "nf" (normal-float, symmetric, the default), "nf0" (normal-float with an exact zero, the
-            bitsandbytes NF4 construction; measurably better at k <= 4, see docs/perplexity.md) or an explicit
-            list of 2**k strictly increasing finite floats in [-1, 1].
+        codebook: "nf0" (the default: normal-float with an exact zero, bitsandbytes' NF4 construction for any k),
+            "nf" (symmetric normal-float without a zero level; measured worse at every k, see docs/perplexity.md)
+            or an explicit list of 2**k strictly increasing finite floats in [-1, 1].
         absmax_format: how each 32-weight block stores its scale: "e4m4" (1 byte, default) or "fp16" (2 bytes).
         modules_to_not_convert: extra module names to keep in full precision, as written in the model
             ("lm_head", "q_proj", "model.layers.0.mlp", ...). A name matches a module when it equals the module's
@@ -32,7 +32,7 @@ class KbitConfig(QuantizationConfigMixin):
     def __init__(
         self,
         k: int = 4,
-        codebook: str | list[float] = "nf",
+        codebook: str | list[float] = "nf0",
         absmax_format: str = "e4m4",
         modules_to_not_convert: list[str] | None = None,
         dequantize: bool = False,

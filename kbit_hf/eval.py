@@ -175,7 +175,7 @@ def device_description(device: str) -> str:
     return f"CPU: {name}, {os.cpu_count()} logical cores, torch threads {torch.get_num_threads()}"
 
 
-def _load(folder: str, k: int | None, absmax_format: str, device: str, codebook: str = "nf"):
+def _load(folder: str, k: int | None, absmax_format: str, device: str, codebook: str = "nf0"):
     from transformers import AutoModelForCausalLM
 
     from .config import KbitConfig
@@ -206,7 +206,7 @@ def run_perplexity(args) -> list[dict]:
     runs += [(k, f, c) for c in args.codebook for f in args.absmax_format for k in args.k]
     for extra in args.extra:
         k, f, c = (extra.split("/") + ["", ""])[:3]
-        runs.append((int(k), f or "e4m4", c or "nf"))
+        runs.append((int(k), f or "e4m4", c or "nf0"))
     rows = []
     for k, absmax_format, codebook in runs:
         label = "fp32" if k is None else f"k={k} {absmax_format} {codebook}"
@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5], choices=fmt.SUPPORTED_K)
     p.add_argument("--absmax-format", nargs="+", default=["e4m4"], choices=fmt.ABSMAX_FORMATS,
                    help="one row per (format, K)")
-    p.add_argument("--codebook", nargs="+", default=["nf"], choices=sorted(fmt.NAMED_CODEBOOKS),
+    p.add_argument("--codebook", nargs="+", default=["nf0"], choices=sorted(fmt.NAMED_CODEBOOKS),
                    help="one row per (codebook, format, K)")
     p.add_argument("--extra", nargs="*", default=[], metavar="K/FORMAT[/CODEBOOK]",
                    help="extra rows after the main grid, e.g. 4/fp16")

@@ -12,7 +12,7 @@ from kbit_hf import KbitConfig
 
 def test_defaults():
     c = KbitConfig()
-    assert (c.k, c.codebook, c.absmax_format, c.modules_to_not_convert, c.dequantize) == (4, "nf", "e4m4", None, False)
+    assert (c.k, c.codebook, c.absmax_format, c.modules_to_not_convert, c.dequantize) == (4, "nf0", "e4m4", None, False)
     assert c.quant_method == "kbit" and c.bits_per_weight == 4.25
 
 
