@@ -41,7 +41,7 @@ __all__ = [
     "EXPERT_GEMV_MAX_N",
 ]
 
-GEMV_MAX_M = 4  # the fused dequant-GEMV handles up to this many activation rows; more -> dequantize + cuBLAS
+GEMV_MAX_M = 8  # the fused dequant-GEMV handles up to this many activation rows; more -> dequantize + cuBLAS
 EXPERT_GEMV_MAX_N = 64  # grouped GEMV (one weight read per row) up to this many rows; more -> per-expert matmuls
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -257,7 +257,7 @@ def dequantize(packed, absmax, scale, codebook, k, in_features, dtype=torch.floa
 
 
 def linear_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
-    """Fused dequant-GEMV into `out` [M, out_features]: x [M, in] contiguous fp16/bf16, 1 <= M <= 4, bias None or
+    """Fused dequant-GEMV into `out` [M, out_features]: x [M, in] contiguous fp16/bf16, 1 <= M <= 8, bias None or
     x's dtype. No allocation, no synchronisation (CUDA-graph safe)."""
     dev = x.device
     with _on_device(dev):
@@ -283,7 +283,7 @@ _KSET = frozenset(fmt.SUPPORTED_K)
 
 
 def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
-    """y = x @ W^T + bias on CUDA: fused GEMV for <= 4 rows (fp16/bf16), else dequantize + cuBLAS."""
+    """y = x @ W^T + bias on CUDA: fused GEMV for <= 8 rows (fp16/bf16), else dequantize + cuBLAS."""
     out_f = packed.shape[-2]
     # Lean eager fast path (this is the per-token decode call: keep the Python work to a minimum).
     if (

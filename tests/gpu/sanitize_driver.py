@@ -14,7 +14,7 @@ def main():
     n = 0
     for k in fmt.SUPPORTED_K:
         cb = fmt.nf_codebook(k).cuda()
-        for shape in [(1, 7), (3, 33), (9, 100), (2, 3, 64), (17, 520)]:
+        for shape in [(1, 7), (3, 33), (9, 100), (2, 3, 64), (17, 520), (20, 4104)]:
             for wdt in (torch.float32, torch.float16, torch.bfloat16):
                 for af in fmt.ABSMAX_FORMATS:
                     w = torch.randn(shape, device="cuda").to(wdt)
@@ -25,7 +25,7 @@ def main():
                         n += 1
             if len(shape) == 2:
                 for xdt in (torch.bfloat16, torch.float16):
-                    for M in (1, 2, 3, 4, 6):
+                    for M in (1, 2, 4, 5, 8, 9):
                         x = torch.randn(M, shape[-1], device="cuda", dtype=xdt)
                         bias = torch.randn(shape[0], device="cuda", dtype=xdt)
                         cuda.linear(x, p, a, s, cb, k, shape[-1], bias)
