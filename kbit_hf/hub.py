@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import os
+import types
 
 from . import format as fmt
 
@@ -72,32 +73,32 @@ def _local_card(config):
     return _with_section(ModelCard.from_template(data, model_description="A kbit-quantized transformers model."), config)
 
 
+def _push_to_hub(self, *args, **kwargs):
+    token = _ACTIVE_CONFIG.set(self.config.quantization_config)
+    try:
+        return type(self).push_to_hub(self, *args, **kwargs)
+    finally:
+        _ACTIVE_CONFIG.reset(token)
+
+
+def _save_pretrained(self, save_directory, *args, **kwargs):
+    token = _ACTIVE_CONFIG.set(self.config.quantization_config)
+    try:
+        result = type(self).save_pretrained(self, save_directory, *args, **kwargs)
+    finally:
+        _ACTIVE_CONFIG.reset(token)
+    readme = os.path.join(save_directory, "README.md")
+    if not os.path.exists(readme):
+        _local_card(self.config.quantization_config).save(readme)
+    return result
+
+
 def install_model_card_hooks(model) -> None:
+    """Bind the card-aware push_to_hub/save_pretrained to this model instance (bound methods, so copy.deepcopy
+    and pickle rebind them to the copy)."""
     _patch_card_factory()
-    cls = type(model)
-
-    def push_to_hub(*args, **kwargs):
-        token = _ACTIVE_CONFIG.set(model.config.quantization_config)
-        try:
-            return cls.push_to_hub(model, *args, **kwargs)
-        finally:
-            _ACTIVE_CONFIG.reset(token)
-
-    def save_pretrained(save_directory, *args, **kwargs):
-        token = _ACTIVE_CONFIG.set(model.config.quantization_config)
-        try:
-            result = cls.save_pretrained(model, save_directory, *args, **kwargs)
-        finally:
-            _ACTIVE_CONFIG.reset(token)
-        readme = os.path.join(save_directory, "README.md")
-        if not os.path.exists(readme):
-            _local_card(model.config.quantization_config).save(readme)
-        return result
-
-    functools.update_wrapper(push_to_hub, cls.push_to_hub)
-    functools.update_wrapper(save_pretrained, cls.save_pretrained)
-    model.push_to_hub = push_to_hub
-    model.save_pretrained = save_pretrained
+    for name, fn in (("push_to_hub", _push_to_hub), ("save_pretrained", _save_pretrained)):
+        setattr(model, name, types.MethodType(fn, model))
 
 
 def remove_model_card_hooks(model) -> None:

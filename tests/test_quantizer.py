@@ -319,3 +319,18 @@ def test_saved_kbit_model_loads_with_disk_offload(quantized, tmp_path):
                   "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
     offloaded = AutoModelForCausalLM.from_pretrained(folder, device_map=device_map, offload_folder=str(tmp_path))
     assert torch.equal(_logits(offloaded, _ids()), _logits(model, _ids()))
+
+
+def test_copies_save_themselves(quantized, tmp_path):
+    import copy
+
+    model, _ = quantized("llama")
+    clone = copy.deepcopy(model)
+    assert clone.save_pretrained.__self__ is clone and clone.push_to_hub.__self__ is clone
+    with torch.no_grad():
+        clone.model.layers[0].self_attn.q_proj.weight_scale.mul_(2)
+    clone.save_pretrained(tmp_path)
+    saved = load_file(os.path.join(tmp_path, "model.safetensors"))
+    assert torch.equal(saved["model.layers.0.self_attn.q_proj.weight_scale"],
+                       2 * model.model.layers[0].self_attn.q_proj.weight_scale)
+    assert "kbit quantization" in open(os.path.join(tmp_path, "README.md")).read()
