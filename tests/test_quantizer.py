@@ -201,7 +201,15 @@ def test_dequantize_on_load(quantized):
     plain = AutoModelForCausalLM.from_pretrained(folder, quantization_config=KbitConfig(dequantize=True))
     assert not any(isinstance(m, (KbitLinear, KbitMoE)) for m in plain.modules())
     assert getattr(plain.config, "quantization_config", None) is None
-    torch.testing.assert_close(_logits(plain, _ids()), _logits(model, _ids()), rtol=0.02, atol=0.02)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert torch.equal(plain.model.layers[0].self_attn.q_proj.weight, q_proj.dequantized_weight(torch.bfloat16))
+    experts = model.model.layers[1].mlp.experts
+    assert torch.equal(plain.model.layers[1].mlp.experts.down_proj,
+                       experts.dequantized_weight("down_proj", torch.bfloat16))
+    # logits differ only through the bf16 rounding of the dequantized weights (the kbit ops compute in fp32), which
+    # can flip a router's top-k choice in this tiny random MoE: a loose bound (exactness is asserted on weights)
+    a, b = _logits(plain, _ids()), _logits(model, _ids())
+    assert ((a - b).norm() / b.norm()).item() < 0.1
 
 
 def test_device_map_cpu_and_auto(quantized, fp_folder):
