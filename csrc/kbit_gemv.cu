@@ -14,8 +14,9 @@
 //   whose byte B is the 2K-bit index of the element pair (8B + 2s, 8B + 2s + 1) (bits 2j / 2j+1 = bit j of the
 //   even / odd element); K = 5 uses two words with 16-bit fields. One LDS.32 per pair reads both weights (a packed
 //   bf16x2 / f16x2) from a per-CTA pair table of 2^(2K) entries built from the codebook at kernel start, replicated
-//   R = min(32, 2048 / 2^(2K)) times (replica lane % R) to spread bank conflicts. The block scale is applied to the
-//   pair with one HMUL2 (bf16x2 / f16x2), so 16 pairs of one block feed 8 MMAs with no per-block epilogue.
+//   R = 32 times for K <= 3 (lane l reads replica l: conflict-free), 8 times for K = 4, 5. The block scale is
+//   applied to the pair with one HMUL2 (bf16x2 / f16x2), so 16 pairs of one block feed 8 MMAs with no per-block
+//   epilogue.
 // - Numerics: the MMA needs the weights in the activation dtype, so cb is rounded to bf16/fp16, the block scale to
 //   bf16 (exact for e4m4 scales) and the product cb * d once more; for fp16, cb and d are pre-multiplied by 16 each
 //   (the fp16 product cb*d*256 stays normal for every e4m4 scale) and the result multiplied by 2^-8 at the end.
@@ -32,13 +33,16 @@ namespace {
 
 constexpr int TILE = 16;        // output rows per CTA
 constexpr int STEP = 8;         // 32-element blocks per warp step
-constexpr int TBL_WORDS = 2048; // pair-table size in 32-bit words (8 KB), all K
 constexpr int MAX_WARPS = 8;
 
 template <int K>
 struct Cfg {
-  static constexpr int NP = 1 << (2 * K);                         // pair-table entries
-  static constexpr int R = (TBL_WORDS / NP) < 32 ? (TBL_WORDS / NP) : 32;  // replicas: K=2,3: 32, K=4: 8, K=5: 2
+  static constexpr int NP = 1 << (2 * K);  // pair-table entries
+  // replicas (lane l reads replica l % R, so lanes never conflict with lanes of another replica): K = 2, 3: 32
+  // (conflict-free); K = 4: 8 (8 KB; 32 replicas measured slower on 14336x4096 and 4096x4096, see docs/kernels.md);
+  // K = 5: 8 (32 KB; 2 replicas were 3-5% slower)
+  static constexpr int R = K <= 3 ? 32 : 8;
+  static constexpr int WORDS = NP * R;
   static constexpr int LR = R == 32 ? 5 : R == 16 ? 4 : R == 8 ? 3 : R == 4 ? 2 : R == 2 ? 1 : 0;
   static constexpr int L = LR + 2;                                // bit offset of the pair index in a byte address
   static constexpr uint32_t AMASK = (uint32_t)(NP - 1) << L;
@@ -90,17 +94,14 @@ __device__ __forceinline__ uint32_t shr(uint32_t v) {
   else return v << (-SH);
 }
 
-// 32-bit load from a shared::cta address (the pair table)
-__device__ __forceinline__ uint32_t lds(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
-  return v;
+__device__ __forceinline__ uint32_t lds(const char* tb, uint32_t off) {
+  return *reinterpret_cast<const uint32_t*>(tb + off);
 }
 
 // Fold the K planes of one row-block into pair-table byte offsets and look the 16 pairs up: a[p] = the two weights
 // (elements 2p, 2p+1) of pair p, times d2.
 template <int K, typename T>
-__device__ __forceinline__ void decode_block(const uint32_t (&w)[5], uint32_t d2, uint32_t c4,
+__device__ __forceinline__ void decode_block(const uint32_t (&w)[5], uint32_t d2, uint32_t c4, const char* tb,
                                              uint32_t (&a)[16]) {
   using C = Cfg<K>;
 #pragma unroll
@@ -116,7 +117,7 @@ __device__ __forceinline__ void decode_block(const uint32_t (&w)[5], uint32_t d2
       for (int B = 0; B < 4; ++B) {
         const int sh = 8 * B - C::L;
         const uint32_t v = sh >= 0 ? (t >> (sh >= 0 ? sh : 0)) : (t << (sh < 0 ? -sh : 0));
-        a[4 * B + s] = Mma<T>::mul2(lds((v & C::AMASK) | c4), d2);
+        a[4 * B + s] = Mma<T>::mul2(lds(tb, (v & C::AMASK) | c4), d2);
       }
     } else {
       // 16-bit fields: te holds the pairs of bytes 0 and 2, to those of bytes 1 and 3
@@ -132,8 +133,8 @@ __device__ __forceinline__ void decode_block(const uint32_t (&w)[5], uint32_t d2
         const int sh = 16 * f - C::L;
         const uint32_t ve = sh >= 0 ? (te >> (sh >= 0 ? sh : 0)) : (te << (sh < 0 ? -sh : 0));
         const uint32_t vo = sh >= 0 ? (to >> (sh >= 0 ? sh : 0)) : (to << (sh < 0 ? -sh : 0));
-        a[4 * (2 * f) + s] = Mma<T>::mul2(lds((ve & C::AMASK) | c4), d2);
-        a[4 * (2 * f + 1) + s] = Mma<T>::mul2(lds((vo & C::AMASK) | c4), d2);
+        a[4 * (2 * f) + s] = Mma<T>::mul2(lds(tb, (ve & C::AMASK) | c4), d2);
+        a[4 * (2 * f + 1) + s] = Mma<T>::mul2(lds(tb, (vo & C::AMASK) | c4), d2);
       }
     }
   }
@@ -198,51 +199,6 @@ __device__ __forceinline__ void load_x(const T* __restrict__ xr, bool on, int bl
   }
 }
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
-// L2 prefetch of this thread's 4 row-blocks of a step (pf: the caller checked that the step exists)
-template <int K>
-__device__ __forceinline__ void prefetch_step(const uint32_t* w0, const uint32_t* w1) {
-  prefetch_l2(w0);
-  prefetch_l2(w0 + 4 * K);
-  prefetch_l2(w1);
-  prefetch_l2(w1 + 4 * K);
-}
-
-template <int B>
-__device__ __forceinline__ void cp_async_n(uint32_t dst, const void* src) {
-  if constexpr (B == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
-  else asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(src), "n"(B));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-
-// Stage layout (ASYNC path), per warp and stage: 4 row-blocks (ob, r) x 32 lanes x K words. K = 4 / 2: lane-major
-// (one 16 / 8-byte chunk per lane, read back with one LDS.128 / LDS.64), K = 3 / 5: plane-major (4-byte chunks).
-template <int K>
-__device__ __forceinline__ uint32_t stage_off(int rb, int lane, int j) {  // word offset
-  if constexpr (K == 4 || K == 2) return (uint32_t)((rb * 32 + lane) * K + j);
-  else return (uint32_t)((rb * K + j) * 32 + lane);
-}
-
-template <int K>
-__device__ __forceinline__ void issue_step(uint32_t stage_s, const uint32_t* w0, const uint32_t* w1, int blk0,
-                                           int lane) {
-#pragma unroll
-  for (int rb = 0; rb < 4; ++rb) {
-    const uint32_t* src = (rb & 1 ? w1 : w0) + (blk0 + 4 * (rb >> 1)) * K;
-    if constexpr (K == 4) cp_async_n<16>(stage_s + 4u * stage_off<K>(rb, lane, 0), src);
-    else if constexpr (K == 2) cp_async_n<8>(stage_s + 4u * stage_off<K>(rb, lane, 0), src);
-    else {
-#pragma unroll
-      for (int j = 0; j < K; ++j) cp_async_n<4>(stage_s + 4u * stage_off<K>(rb, lane, j), src + j);
-    }
-  }
-}
-
 struct Buf {
   uint32_t w[2][2][5];  // [owned block][row g / g+8][plane]
   uint32_t sc[2][2];
@@ -262,15 +218,15 @@ __device__ __forceinline__ void load_step(Buf& b, const uint32_t* __restrict__ w
 
 template <int K, typename T, bool CHECK>
 __device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__ xr, bool xon, int fp16, int b0, int q,
-                                             int nb, int in, uint32_t c4, float (&acc)[4]) {
+                                             int nb, int in, uint32_t c4, const char* tb, float (&acc)[4]) {
 #pragma unroll
   for (int ob = 0; ob < 2; ++ob) {
     const int blk = b0 + q + 4 * ob;
     uint32_t xw[16];
     load_x<T, CHECK>(xr, xon && (!CHECK || blk < nb), blk, in, xw);
     uint32_t ag[16], ah[16];
-    decode_block<K, T>(b.w[ob][0], scale_pair<T>(b.sc[ob][0], fp16), c4, ag);
-    decode_block<K, T>(b.w[ob][1], scale_pair<T>(b.sc[ob][1], fp16), c4, ah);
+    decode_block<K, T>(b.w[ob][0], scale_pair<T>(b.sc[ob][0], fp16), c4, tb, ag);
+    decode_block<K, T>(b.w[ob][1], scale_pair<T>(b.sc[ob][1], fp16), c4, tb, ah);
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -282,17 +238,13 @@ __device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__
 }
 
 // x rows: x + m * in (m < M). ids != nullptr: expert mode (M == 1), token n = blockIdx.y, expert ids[n].
-constexpr int S = 4;  // cp.async pipeline depth (steps in flight per warp)
-
-template <int K, typename T, bool ASYNC>
+template <int K, typename T>
 __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
     const T* __restrict__ x, int M, const uint32_t* __restrict__ packed, const void* __restrict__ absmax, int fp16,
     const float* __restrict__ scale, const float* __restrict__ codebook, const T* __restrict__ bias,
-    T* __restrict__ y, int64_t out, int in, int nb, const int64_t* __restrict__ ids, int64_t E, int vec, int pf) {
+    T* __restrict__ y, int64_t out, int in, int nb, const int64_t* __restrict__ ids, int64_t E, int vec) {
   using C = Cfg<K>;
-  // the pair table lives in the 8 KB-aligned half of tbl_raw, so that a lookup address is one LOP3:
-  // (index bits & AMASK) | (table base | replica offset)
-  __shared__ __align__(16) uint32_t tbl_raw[2 * TBL_WORDS];
+  __shared__ __align__(16) uint32_t tbl[C::WORDS];
   __shared__ float red[MAX_WARPS][4][32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
   const int64_t o0 = (int64_t)blockIdx.x * TILE;
@@ -311,10 +263,8 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
     xr = x + n * (int64_t)in;
   }
   const int g = lane >> 2, q = lane & 3;
-  const uint32_t raw_s = (uint32_t)__cvta_generic_to_shared(tbl_raw);
-  const uint32_t tbl_s = (raw_s + (uint32_t)(TBL_WORDS * 4 - 1)) & ~(uint32_t)(TBL_WORDS * 4 - 1);
-  uint32_t* tbl = tbl_raw + (tbl_s - raw_s) / 4u;
-  const uint32_t c4 = tbl_s | ((uint32_t)(lane & (C::R - 1)) * 4u);
+  const uint32_t c4 = (uint32_t)(lane & (C::R - 1)) * 4u;
+  const char* tb = reinterpret_cast<const char*>(tbl);
   // rows g and g + 8 of the tile, clamped into the matrix (rows past `out` compute garbage that is never written)
   const int64_t r0 = e * out + (o0 + g < out ? o0 + g : out - 1);
   const int64_t r1 = e * out + (o0 + g + 8 < out ? o0 + g + 8 : out - 1);
@@ -324,43 +274,15 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
   const int as = fp16 ? 2 : 1;
   const void* a0 = reinterpret_cast<const char*>(absmax) + r0 * nb * as;
   const void* a1 = reinterpret_cast<const char*>(absmax) + r1 * nb * as;
-  // B column g holds token min(g, M - 1): columns >= M duplicate a real token and their outputs are dropped,
-  // so no lane needs zero-filled registers or predicated loads
-  const T* xg = xr + (int64_t)(g < M ? g : M - 1) * in;
+  const bool xon = g < M;
+  const T* xg = xr + (int64_t)(xon ? g : 0) * in;
 
-  // full steps: 8 blocks whose 32 columns all lie inside the row (x 16-byte aligned)
+  // full steps: 8 blocks whose 32 columns all lie inside the row (x 16-byte aligned); the first step's loads are
+  // issued before the pair table is built
   const int nfs = vec ? (in / BLOCK) / STEP : 0;
   int st = warp;
-  extern __shared__ __align__(16) uint32_t dsm[];
-  const int nmine = nfs > warp ? (nfs - warp + W - 1) / W : 0;  // full steps of this warp (ASYNC)
-  const uint32_t stage0 = (uint32_t)__cvta_generic_to_shared(dsm) + (uint32_t)(warp * S * 4 * K * 32 * 4);
-  constexpr uint32_t STAGE_BYTES = 4 * K * 32 * 4;
-  if constexpr (ASYNC) {
-    // weights: the first S - 1 steps go in flight before anything else; scales of the tile's 16 rows and the
-    // whole row are copied into shared memory (plain loads, overlapping the copies)
-#pragma unroll
-    for (int i = 0; i < S - 1; ++i) {
-      if (i < nmine) issue_step<K>(stage0 + (uint32_t)i * STAGE_BYTES, w0, w1, (warp + i * W) * STEP + q, lane);
-      cp_async_commit();
-    }
-    unsigned char* scs = reinterpret_cast<unsigned char*>(dsm) + W * S * STAGE_BYTES;
-    const int rowb = nb * as;  // scale bytes per row
-    const int nthr = blockDim.x;
-    const unsigned char* abase = reinterpret_cast<const unsigned char*>(absmax);
-    if ((rowb & 3) == 0) {
-      for (int i = tid; i < TILE * (rowb >> 2); i += nthr) {
-        const int r = i / (rowb >> 2), c = i - r * (rowb >> 2);
-        const int64_t rr = e * out + (o0 + r < out ? o0 + r : out - 1);
-        reinterpret_cast<uint32_t*>(scs)[i] = __ldcs(reinterpret_cast<const unsigned int*>(abase + rr * rowb) + c);
-      }
-    } else {
-      for (int i = tid; i < TILE * rowb; i += nthr) {
-        const int r = i / rowb, c = i - r * rowb;
-        const int64_t rr = e * out + (o0 + r < out ? o0 + r : out - 1);
-        scs[i] = __ldcs(abase + rr * rowb + c);
-      }
-    }
-  }
+  Buf cur;
+  if (st < nfs) load_step<K, false>(cur, w0, w1, a0, a1, fp16, st * STEP, q, nb);
   // pair table: entry P holds (cb[i0], cb[i1]) * PRE, i0 / i1 = the even / odd bits of P, in R replicas
   for (int p = tid; p < C::NP; p += blockDim.x) {
     uint32_t i0 = 0, i1 = 0;
@@ -381,70 +303,20 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
   __syncthreads();
 
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  if constexpr (ASYNC) {
-    const unsigned char* scs = reinterpret_cast<const unsigned char*>(dsm) + W * S * STAGE_BYTES;
-    const unsigned char* sc0 = scs + g * nb * as;
-    const unsigned char* sc1 = scs + (g + 8) * nb * as;
+  if (st < nfs) {
 #pragma unroll 1
-    for (int i = 0; i < nmine; ++i) {
-      if (i + S - 1 < nmine)
-        issue_step<K>(stage0 + (uint32_t)((i + S - 1) % S) * STAGE_BYTES, w0, w1, (warp + (i + S - 1) * W) * STEP + q,
-                      lane);
-      cp_async_commit();
-      cp_async_wait<S - 1>();  // this thread's copies of step i have landed (each lane reads only its own chunks)
-      const uint32_t* stg = dsm + (warp * S + i % S) * (STAGE_BYTES / 4);
-      const int blk0 = (warp + i * W) * STEP + q;
-      Buf b;
-#pragma unroll
-      for (int rb = 0; rb < 4; ++rb) {
-        uint32_t* wd = b.w[rb >> 1][rb & 1];
-        if constexpr (K == 4) {
-          const uint4 v = *reinterpret_cast<const uint4*>(stg + stage_off<K>(rb, lane, 0));
-          wd[0] = v.x; wd[1] = v.y; wd[2] = v.z; wd[3] = v.w; wd[4] = 0u;
-        } else if constexpr (K == 2) {
-          const uint2 v = *reinterpret_cast<const uint2*>(stg + stage_off<K>(rb, lane, 0));
-          wd[0] = v.x; wd[1] = v.y; wd[2] = wd[3] = wd[4] = 0u;
-        } else {
-#pragma unroll
-          for (int j = 0; j < 5; ++j) wd[j] = j < K ? stg[stage_off<K>(rb, lane, j)] : 0u;
-        }
-        const int blk = blk0 + 4 * (rb >> 1);
-        const unsigned char* sp = (rb & 1) ? sc1 : sc0;
-        b.sc[rb >> 1][rb & 1] = fp16 ? (uint32_t)reinterpret_cast<const unsigned short*>(sp)[blk] : (uint32_t)sp[blk];
-      }
-      compute_step<K, T, false>(b, xg + (int64_t)blk0 * BLOCK, true, fp16, 0, 0, nb, in, c4, acc);
+    for (; st < nfs; st += W) {
+      Buf nxt;
+      if (st + W < nfs) load_step<K, false>(nxt, w0, w1, a0, a1, fp16, (st + W) * STEP, q, nb);
+      compute_step<K, T, false>(cur, xg, xon, fp16, st * STEP, q, nb, in, c4, tb, acc);
+      cur = nxt;
     }
-    st = warp + nmine * W;
-  } else {
-  const int64_t first = (int64_t)warp * STEP + q;  // this thread's first block
-  const uint32_t* pw0 = w0 + first * K;
-  const uint32_t* pw1 = w1 + first * K;
-  const char* pa0 = reinterpret_cast<const char*>(a0) + first * as;
-  const char* pa1 = reinterpret_cast<const char*>(a1) + first * as;
-  const T* px = xg + first * BLOCK;
-  const int64_t dw = (int64_t)W * STEP * K, da = (int64_t)W * STEP * as, dx = (int64_t)W * STEP * BLOCK;
-  Buf bA, bB;
-  if (st < nfs) load_step<K, false>(bA, pw0, pw1, pa0, pa1, fp16, 0, 0, nb);
-#pragma unroll 1
-  while (st < nfs) {
-    pw0 += dw; pw1 += dw; pa0 += da; pa1 += da;
-    if (pf && st + 2 * W < nfs) prefetch_step<K>(pw0 + dw, pw1 + dw);
-    if (st + W < nfs) load_step<K, false>(bB, pw0, pw1, pa0, pa1, fp16, 0, 0, nb);
-    compute_step<K, T, false>(bA, px, true, fp16, 0, 0, nb, in, c4, acc);
-    px += dx; st += W;
-    if (st >= nfs) break;
-    pw0 += dw; pw1 += dw; pa0 += da; pa1 += da;
-    if (pf && st + 2 * W < nfs) prefetch_step<K>(pw0 + dw, pw1 + dw);
-    if (st + W < nfs) load_step<K, false>(bA, pw0, pw1, pa0, pa1, fp16, 0, 0, nb);
-    compute_step<K, T, false>(bB, px, true, fp16, 0, 0, nb, in, c4, acc);
-    px += dx; st += W;
-  }
   }
   // the remaining blocks (fewer than 8, or all of them when x is not vector-loadable): checked, strided over warps
   for (int s2 = nfs + warp; s2 * STEP < nb; s2 += W) {
     Buf tl;
     load_step<K, true>(tl, w0, w1, a0, a1, fp16, s2 * STEP, q, nb);
-    compute_step<K, T, true>(tl, xg, true, fp16, s2 * STEP, q, nb, in, c4, acc);
+    compute_step<K, T, true>(tl, xg, xon, fp16, s2 * STEP, q, nb, in, c4, tb, acc);
   }
 
   // reduce the W warps' tiles in a fixed order
@@ -491,29 +363,9 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
     return (n == 1 || n == 2 || n == 4 || n == 8) ? n : 0;
   }();
   if (w_env) W = w_env;
-  static const int pf = [] {  // register path: L2 prefetch two steps ahead (KBIT_GEMV_PREFETCH=1; measured slower)
-    const char* v = getenv("KBIT_GEMV_PREFETCH");
-    return v ? atoi(v) : 0;
-  }();
-  static const int use_async = [] {  // KBIT_GEMV_ASYNC=0: register-prefetch path only (for comparisons)
-    const char* v = getenv("KBIT_GEMV_ASYNC");
-    return v ? atoi(v) : 1;
-  }();
-  constexpr int64_t MAX_DYN = 96 * 1024;
-  const int as = fp16 ? 2 : 1;
-  const int64_t dyn = (int64_t)W * S * (4 * K * 32 * 4) + ((TILE * nb * as + 15) / 16) * 16;
-  if (use_async && vec && dyn <= MAX_DYN) {
-    static const cudaError_t attr = cudaFuncSetAttribute(gemv_kernel<K, T, true>,
-                                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)MAX_DYN);
-    if (attr != cudaSuccess) return (int)attr;
-    gemv_kernel<K, T, true><<<grid, W * 32, (size_t)dyn, st>>>(
-        reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb, reinterpret_cast<const T*>(bias),
-        reinterpret_cast<T*>(y), out, (int)in, (int)nb, ids, E, vec, pf);
-    return (int)cudaGetLastError();
-  }
-  gemv_kernel<K, T, false><<<grid, W * 32, 0, st>>>(reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb,
+  gemv_kernel<K, T><<<grid, W * 32, 0, st>>>(reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb,
                                              reinterpret_cast<const T*>(bias), reinterpret_cast<T*>(y), out, (int)in,
-                                             (int)nb, ids, E, vec, pf);
+                                             (int)nb, ids, E, vec);
   return (int)cudaGetLastError();
 }
 
