@@ -1,0 +1,18 @@
+"""Driver for an ncu profile of the fused GEMV (K=4, M=1, 14336x4096, bf16):
+ncu --clock-control none --kernel-name regex:gemv --launch-skip 3 --launch-count 1 --section ... python3 tests/gpu/profile_gemv.py
+"""
+import torch
+
+import kbit_hf
+from kbit_hf import cuda_backend, format as fmt
+
+assert cuda_backend.available(), cuda_backend.load_error()
+out, inp, k = 14336, 4096, 4
+w = torch.randn(out, inp, device="cuda", dtype=torch.bfloat16)
+cb = fmt.nf0_codebook(k).cuda()
+packed, absmax, scale = cuda_backend.quantize(w, cb, k, "e4m4")
+x = torch.randn(1, inp, device="cuda", dtype=torch.bfloat16)
+for _ in range(5):
+    y = cuda_backend.linear(x, packed, absmax, scale, cb, k, inp)
+torch.cuda.synchronize()
+print("ok", y.shape, kbit_hf.__version__)
