@@ -37,7 +37,8 @@ from fake_hub import FakeHub
 from tiny_models import VOCAB, tiny_model
 
 TOKEN = "hf_dummy"
-FAMILIES = ["llama", "mixtral"]
+FAMILIES = ["llama", "mixtral", "qwen3_moe", "gpt_oss"]  # dense + three MoE families
+SHARDED_FAMILIES = ["llama", "mixtral"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -254,7 +255,7 @@ def test_push_to_hub_single_file(family, hub, source_dir, tmp_path):
     check_card(repo.files["README.md"])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SHARDED_FAMILIES)
 def test_push_to_hub_sharded(family, hub, source_dir, tmp_path):
     model = quantize_on_load(source_dir(family))
 
