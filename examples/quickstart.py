@@ -16,7 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import kbit_hf
-from kbit_hf.eval import smollm2_folder
+from kbit_hf.eval import linear_bytes, smollm2_folder
+from kbit_hf.format import SUPPORTED_K
 
 
 def folder_mb(path: str) -> float:
@@ -25,7 +26,7 @@ def folder_mb(path: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--k", type=int, default=4, choices=(2, 3, 4, 5), help="bits per weight index")
+    parser.add_argument("--k", type=int, default=4, choices=SUPPORTED_K, help="bits per weight index")
     parser.add_argument("--prompt", default="Explain in one sentence what a compiler does.")
     parser.add_argument("--out", default="./smollm2-kbit4", help="where the quantized model is saved")
     parser.add_argument("--max-new-tokens", type=int, default=30)
@@ -44,7 +45,7 @@ def main() -> None:
     load_s = time.perf_counter() - t0
     device = model.device
     layers = [m for m in model.modules() if isinstance(m, kbit_hf.KbitLinear)]
-    kbit_mb = sum(p.numel() * p.element_size() for m in layers for p in m.parameters(recurse=False)) / 1e6
+    kbit_mb = linear_bytes(model) / 1e6
     fp32_mb = sum(m.in_features * m.out_features * 4 for m in layers) / 1e6
 
     # 3. Generate (greedy).
