@@ -335,7 +335,10 @@ def expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features
     _check_k(k)
     if N == 0:
         return x.new_zeros((0, out_f))
-    if N <= EXPERT_GEMV_MAX_N and x.dtype in _GEMV_DTYPES:
+    # One kernel, one weight read per row: up to EXPERT_GEMV_MAX_N rows, or any count while a CUDA graph is being
+    # captured (the grouped path below needs a host sync, which capture forbids).
+    per_row = N <= EXPERT_GEMV_MAX_N or (N <= 65535 and torch.cuda.is_current_stream_capturing())
+    if per_row and x.dtype in _GEMV_DTYPES:
         _check_shapes(packed, absmax, scale, k, in_features)
         x = x.contiguous()
         ids = expert_ids.to(device=x.device, dtype=torch.int64).contiguous()

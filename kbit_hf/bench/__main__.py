@@ -22,11 +22,26 @@ def main(argv=None):
     pk.add_argument("--repeats", type=int, default=30, help="graph replays; the median is reported")
     pk.add_argument("--dequant-shape", default="8192x8192", help="OUTxIN for the dequantize benchmark (>= 64M elements)")
     pk.add_argument("--json", default=None, help="also write the results as JSON here")
+    pg = sub.add_parser("generate", help="end-to-end generation benchmark (CUDA GPU; also runs on CPU, slowly)")
+    from .generate import add_arguments
+
+    add_arguments(pg)
+    pp = sub.add_parser("plot", help="chart + table from a `generate` JSON file")
+    pp.add_argument("json_in")
+    pp.add_argument("png_out")
     args = parser.parse_args(argv)
     if args.cmd == "kernels":
         from .kernels import run
 
         return run(args)
+    if args.cmd == "generate":
+        from .generate import run
+
+        return run(args)
+    if args.cmd == "plot":
+        from .generate import plot_main
+
+        return plot_main(args)
     return 2
 
 

@@ -1,0 +1,437 @@
+"""End-to-end generation benchmark: load time, memory, prefill and decode speed of one model under several
+quantization methods, eager and with the static cache (which makes `generate` compile the decode step and replay it
+as CUDA graphs).
+
+Method. The model comes from a local checkpoint folder, or from a named architecture shape with random bf16 weights
+that is written once to a local folder (so every method pays the same `from_pretrained` path: read, convert,
+quantize). Methods run back to back in one process; each is loaded, measured and freed before the next. For each
+(mode, batch): one full warm-up `generate` (compilation and graph capture happen here and are reported separately),
+then `generate` with 1 new token (time to first token, prefill tokens/s) and with N new tokens; decode tokens/s =
+batch * (N - 1) / (t_N - t_1), the median over `--repeats`. `min_new_tokens` = `max_new_tokens` so random weights
+never stop early. Memory: `torch.cuda` allocator statistics (resident after load, peak during load, peak during
+generation), relative to what was allocated before loading.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+# Named architecture shapes (the published configs' sizes; weights are random). `layers` slices the depth.
+SHAPES = {
+    "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                 max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                 tie_word_embeddings=False)),
+    "llama-3-70b": ("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                  num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                                  max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                  tie_word_embeddings=False)),
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                        head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                        decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+                                        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                        tie_word_embeddings=False)),
+    "mixtral-8x7b": ("mixtral", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+                                     num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=32768,
+                                     rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    # small shapes for trying the benchmark on a laptop or CPU
+    "tiny-llama": ("llama", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024,
+                                 tie_word_embeddings=False)),
+    "tiny-qwen3-moe": ("qwen3_moe", dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=96,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=64, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+                                         mlp_only_layers=[], vocab_size=1000, max_position_embeddings=1024,
+                                         tie_word_embeddings=False)),
+}
+
+METHOD_HELP = "bf16, kbit2..kbit5, bnb-nf4 (bitsandbytes), torchao-int4 (torchao int4 weight-only, group 128)"
+
+
+def shape_config(name: str, layers: int | None = None):
+    """A transformers config for a named shape, optionally cut to `layers` decoder layers."""
+    import transformers
+
+    if name not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
+    model_type, fields = SHAPES[name]
+    fields = dict(fields)
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {layers}")
+        fields["num_hidden_layers"] = layers
+    return transformers.AutoConfig.for_model(model_type, **fields)
+
+
+def ensure_checkpoint(name: str, layers: int | None, root: str, device: str) -> str:
+    """Write a random-weight bf16 checkpoint of a named shape under `root` (once; reused when it matches)."""
+    import transformers
+
+    config = shape_config(name, layers)
+    folder = os.path.join(root, f"{name}-{config.num_hidden_layers}L")
+    marker = os.path.join(folder, "kbit_bench_shape.json")
+    spec = {"shape": name, "config": config.to_diff_dict()}
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == json.loads(json.dumps(spec)):
+                return folder
+    os.makedirs(folder, exist_ok=True)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():  # some families leave expert weights uninitialised: make every matrix random
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(folder, max_shard_size="4GB")
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    with open(marker, "w") as f:
+        json.dump(spec, f)
+    return folder
+
+
+@dataclass
+class Method:
+    name: str
+    unavailable: str | None = None  # why it cannot run here
+
+    def quantization_config(self):
+        if self.name == "bf16":
+            return None
+        if self.name.startswith("kbit"):
+            from ..config import KbitConfig
+
+            return KbitConfig(k=int(self.name[4:]))
+        if self.name == "bnb-nf4":
+            from transformers import BitsAndBytesConfig
+
+            return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                      bnb_4bit_compute_dtype=torch.bfloat16)
+        if self.name == "torchao-int4":
+            from torchao.quantization import Int4WeightOnlyConfig
+            from transformers import TorchAoConfig
+
+            # the tile-packed format runs on tinygemm (aten._weight_int4pack_mm), which every torch build has;
+            # torchao's default "plain" format needs fbgemm-gpu-genai
+            return TorchAoConfig(Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
+        raise ValueError(self.name)
+
+
+def parse_methods(text: str) -> list[Method]:
+    methods = []
+    for name in (m.strip() for m in text.split(",") if m.strip()):
+        if name == "bf16" or name in {f"kbit{k}" for k in (2, 3, 4, 5)}:
+            methods.append(Method(name))
+        elif name == "bnb-nf4":
+            methods.append(Method(name, _import_error("bitsandbytes")))
+        elif name == "torchao-int4":
+            methods.append(Method(name, _import_error("torchao")))
+        else:
+            raise ValueError(f"unknown method {name!r}; expected {METHOD_HELP}")
+    return methods
+
+
+def _import_error(module: str) -> str | None:
+    try:
+        __import__(module)
+        return None
+    except Exception as exc:  # any import failure means "not available here"
+        return f"{module} not importable ({type(exc).__name__}: {exc})"
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _mem(device) -> dict:
+    if device.type != "cuda":
+        return {"allocated": 0, "peak": 0}
+    return {"allocated": torch.cuda.memory_allocated(device), "peak": torch.cuda.max_memory_allocated(device)}
+
+
+def _reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _free(device):
+    gc.collect()
+    try:
+        torch._dynamo.reset()  # drops compiled graphs and their CUDA-graph memory pools
+    except Exception:
+        pass
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _generate(model, ids, new_tokens: int, static: bool):
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                  attention_mask=torch.ones_like(ids))
+    if static:
+        kwargs["cache_implementation"] = "static"
+    return model.generate(ids, **kwargs)
+
+
+def _timed(fn, device) -> tuple[float, object]:
+    _sync(device)
+    t = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t, out
+
+
+def measure(model, device, *, batch: int, prompt_len: int, new_tokens: int, static: bool, repeats: int,
+            vocab: int, mem0: int) -> dict:
+    """Speed and memory of one (mode, batch) on a loaded model."""
+    g = torch.Generator().manual_seed(1234 + batch)
+    ids = torch.randint(10, vocab - 10, (batch, prompt_len), generator=g).to(device)
+    _reset_peak(device)
+    warm_s, warm_out = _timed(lambda: _generate(model, ids, new_tokens, static), device)
+    t1s, tns = [], []
+    out = None
+    for _ in range(repeats):
+        t1, _ = _timed(lambda: _generate(model, ids, 1, static), device)
+        tn, out = _timed(lambda: _generate(model, ids, new_tokens, static), device)
+        t1s.append(t1)
+        tns.append(tn)
+    t1, tn = statistics.median(t1s), statistics.median(tns)
+    decode_s = max(tn - t1, 1e-9)
+    peak = _mem(device)["peak"] - mem0
+    return {
+        "batch": batch, "mode": "static" if static else "eager", "warmup_s": warm_s,
+        "ttft_ms": t1 * 1e3, "prefill_tok_s": batch * prompt_len / t1,
+        "decode_tok_s": batch * (new_tokens - 1) / decode_s,
+        "decode_ms_per_step": decode_s / (new_tokens - 1) * 1e3,
+        "total_s": tn, "peak_gen_bytes": peak,
+        "tokens": out[:, prompt_len:].tolist(), "warm_tokens_equal": bool(torch.equal(out, warm_out)),
+    }
+
+
+def run_method(method: Method, folder: str, device, args, progress) -> dict:
+    """Load one method, measure every (mode, batch), free it."""
+    from transformers import AutoModelForCausalLM
+
+    from .. import _register  # noqa: F401  (registers KbitConfig with transformers)
+
+    res = {"method": method.name, "runs": []}
+    if method.unavailable:
+        res["error"] = method.unavailable
+        progress.update(len(args.modes) * len(args.batch))
+        return res
+    _free(device)
+    mem0 = _mem(device)["allocated"]
+    _reset_peak(device)
+    try:
+        load_s, model = _timed(lambda: AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.bfloat16, device_map=str(device),
+            quantization_config=method.quantization_config()), device)
+    except Exception as exc:
+        res["error"] = f"load failed: {type(exc).__name__}: {exc}"
+        progress.update(len(args.modes) * len(args.batch))
+        return res
+    model.eval()
+    m = _mem(device)
+    res.update(load_s=load_s, resident_bytes=m["allocated"] - mem0, load_peak_bytes=m["peak"] - mem0)
+    vocab = model.config.get_text_config().vocab_size
+    for mode in args.modes:
+        for batch in args.batch:
+            progress.set_postfix_str(f"{method.name} {mode} batch {batch}")
+            try:
+                with torch.inference_mode():
+                    r = measure(model, device, batch=batch, prompt_len=args.prompt_len,
+                                new_tokens=args.new_tokens, static=mode == "static", repeats=args.repeats,
+                                vocab=vocab, mem0=mem0)
+                res["runs"].append(r)
+            except Exception as exc:
+                res["runs"].append({"batch": batch, "mode": mode,
+                                    "error": f"{type(exc).__name__}: {str(exc)[:500]}"})
+            progress.update(1)
+            if mode == "static":  # a new batch size recompiles anyway; free the old graphs' pools first
+                _free(device)
+    del model
+    _free(device)
+    return res
+
+
+def _agreement(results: list[dict], n: int = 16) -> None:
+    """Per (method, batch): fraction of sequences whose first n generated tokens agree between eager and static."""
+    for res in results:
+        by = {(r["mode"], r["batch"]): r for r in res.get("runs", []) if "tokens" in r}
+        for (mode, batch), r in by.items():
+            other = by.get(("eager", batch))
+            if mode == "static" and other is not None:
+                a, b = r["tokens"], other["tokens"]
+                r["agree_eager_first%d" % n] = sum(x[:n] == y[:n] for x, y in zip(a, b)) / len(a)
+
+
+def _fmt_gb(b):
+    return f"{b / 1e9:.2f}" if b is not None else "-"
+
+
+def table(report: dict) -> str:
+    lines = []
+    base = {}
+    for res in report["results"]:
+        if res["method"] == "bf16":
+            for r in res.get("runs", []):
+                if "decode_tok_s" in r:
+                    base[(r["mode"], r["batch"])] = r["decode_tok_s"]
+    hdr = (f"{'method':<13} {'load s':>7} {'resident GB':>11} {'load peak GB':>12} {'mode':<7} {'batch':>5} "
+           f"{'TTFT ms':>8} {'prefill tok/s':>13} {'decode tok/s':>12} {'vs bf16':>8} {'peak GB':>8} {'warm-up s':>9}")
+    lines.append(hdr)
+    lines.append("-" * len(hdr))
+    for res in report["results"]:
+        head = (f"{res['method']:<13} {res.get('load_s', float('nan')):7.1f} {_fmt_gb(res.get('resident_bytes')):>11} "
+                f"{_fmt_gb(res.get('load_peak_bytes')):>12}")
+        if "error" in res:
+            lines.append(f"{res['method']:<13} {res['error']}")
+            continue
+        for r in res["runs"]:
+            if "error" in r:
+                lines.append(f"{head} {r['mode']:<7} {r['batch']:>5} error: {r['error'][:120]}")
+            else:
+                b = base.get((r["mode"], r["batch"]))
+                vs = f"{r['decode_tok_s'] / b:7.2f}x" if b else f"{'-':>8}"
+                lines.append(f"{head} {r['mode']:<7} {r['batch']:>5} {r['ttft_ms']:8.1f} {r['prefill_tok_s']:13.0f} "
+                             f"{r['decode_tok_s']:12.1f} {vs} {_fmt_gb(r['peak_gen_bytes']):>8} "
+                             f"{r['warmup_s']:9.1f}")
+            head = " " * len(head)
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Bar chart of decode tokens/s per method, one group per (mode, batch), plus resident memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [r for r in report["results"] if "error" not in r]
+    keys = sorted({(r["mode"], r["batch"]) for res in results for r in res["runs"] if "decode_tok_s" in r},
+                  key=lambda k: (k[0] != "eager", k[1]))
+    if not results or not keys:
+        return
+    fig, (ax, axm) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 1]})
+    width = 0.8 / len(results)
+    for i, res in enumerate(results):
+        by = {(r["mode"], r["batch"]): r.get("decode_tok_s", 0.0) for r in res["runs"]}
+        xs = [j + i * width for j in range(len(keys))]
+        ax.bar(xs, [by.get(k, 0.0) for k in keys], width, label=res["method"])
+        for x, k in zip(xs, keys):
+            if by.get(k):
+                ax.annotate(f"{by[k]:.0f}", (x, by[k]), ha="center", va="bottom", fontsize=6)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))])
+    ax.set_xticklabels([f"{m}\nbatch {b}" for m, b in keys])
+    ax.set_ylabel("decode tokens/s (all sequences)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title(f"{report['model']} on {report['device']}: decode speed")
+    axm.bar([r["method"] for r in results], [r["resident_bytes"] / 1e9 for r in results],
+            color=[f"C{i}" for i in range(len(results))])
+    axm.set_ylabel("resident GPU memory after load (GB)")
+    axm.tick_params(axis="x", rotation=45)
+    axm.set_title("model memory")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    from tqdm.auto import tqdm
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    methods = parse_methods(args.methods)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in args.modes:
+        if m not in ("eager", "static"):
+            raise ValueError(f"unknown mode {m!r}; expected eager and/or static")
+    args.batch = [int(b) for b in args.batch.split(",")]
+    if args.new_tokens < 2:
+        raise ValueError("--new-tokens must be >= 2 (decode speed is measured between 1 and N new tokens)")
+    if args.checkpoint:
+        folder, model_name = args.checkpoint, os.path.basename(os.path.normpath(args.checkpoint))
+    else:
+        t = time.perf_counter()
+        print(f"writing / reusing the random-weight checkpoint of {args.model} under {args.workdir} ...", flush=True)
+        folder = ensure_checkpoint(args.model, args.layers, args.workdir, str(device))
+        model_name = os.path.basename(folder)
+        print(f"checkpoint ready: {folder} ({time.perf_counter() - t:.0f} s)", flush=True)
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    import transformers
+
+    report = {"model": model_name, "checkpoint": folder, "device": dev_name, "torch": torch.__version__,
+              "transformers": transformers.__version__, "prompt_len": args.prompt_len,
+              "new_tokens": args.new_tokens, "repeats": args.repeats, "results": []}
+    total = len(methods) * len(args.modes) * len(args.batch)
+    with tqdm(total=total, desc="generate benchmark", unit="run") as progress:
+        for method in methods:
+            report["results"].append(run_method(method, folder, device, args, progress))
+            if args.json:  # keep partial results if a later method crashes the process
+                _write_json(report, args.json)
+    _agreement(report["results"])
+    print()
+    print(f"{model_name} on {dev_name}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens; "
+          f"decode tok/s counts all sequences of the batch")
+    print(table(report))
+    if args.json:
+        _write_json(report, args.json)
+        print(f"JSON: {args.json}")
+    if args.png:
+        try:
+            plot(report, args.png)
+            print(f"chart: {args.png}")
+        except ImportError:
+            print("matplotlib not installed: no chart (pip install matplotlib, or "
+                  "`python -m kbit_hf.bench plot RESULTS.json OUT.png` elsewhere)")
+    return 0
+
+
+def _write_json(report, path):
+    slim = json.loads(json.dumps(report))
+    for res in slim["results"]:
+        for r in res.get("runs", []):
+            r.pop("tokens", None)
+    with open(path, "w") as f:
+        json.dump(slim, f, indent=1)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="llama-3-8b", help=f"named shape with random weights: {', '.join(SHAPES)}")
+    p.add_argument("--layers", type=int, default=None, help="cut the named shape to this many decoder layers")
+    p.add_argument("--checkpoint", default=None, help="a local checkpoint folder instead of a named shape")
+    p.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "kbit_hf", "bench"),
+                   help="where random-weight checkpoints are written")
+    p.add_argument("--methods", default="bf16,kbit4,kbit2,bnb-nf4,torchao-int4", help=METHOD_HELP)
+    p.add_argument("--modes", default="eager,static", help="eager and/or static (static cache, compiled decode)")
+    p.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=1, help="timed repeats after the warm-up (median)")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--png", default=None, help="draw the decode-speed chart here (needs matplotlib)")
+
+
+def plot_main(args) -> int:
+    with open(args.json_in) as f:
+        report = json.load(f)
+    plot(report, args.png_out)
+    print(table(report))
+    print(f"chart: {args.png_out}")
+    return 0
+
+

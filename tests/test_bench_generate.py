@@ -1,0 +1,49 @@
+"""The generation benchmark runs end to end on a tiny shape (CPU, eager) and reports what it measured."""
+
+import json
+
+import pytest
+
+from kbit_hf.bench import generate
+from kbit_hf.bench.__main__ import main
+
+
+def test_generate_benchmark_tiny_cpu(tmp_path, capsys):
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = main(["generate", "--model", "tiny-qwen3-moe", "--methods", "bf16,kbit4,kbit2", "--modes", "eager",
+               "--batch", "1,3", "--prompt-len", "8", "--new-tokens", "5", "--device", "cpu",
+               "--workdir", str(tmp_path / "ckpt"), "--json", str(out_json), "--png", str(out_png)])
+    assert rc == 0
+    report = json.loads(out_json.read_text())
+    assert report["model"] == "tiny-qwen3-moe-2L" and report["device"] == "cpu"
+    by = {r["method"]: r for r in report["results"]}
+    assert set(by) == {"bf16", "kbit4", "kbit2"}
+    for res in by.values():
+        assert "error" not in res and res["load_s"] > 0
+        assert [(r["mode"], r["batch"]) for r in res["runs"]] == [("eager", 1), ("eager", 3)]
+        for r in res["runs"]:
+            assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["ttft_ms"] > 0
+            assert r["warm_tokens_equal"]  # greedy decoding is deterministic: warm-up and timed run agree
+    assert out_png.stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    assert "decode tok/s" in printed and "kbit4" in printed
+    # the checkpoint is written once and reused
+    folder = tmp_path / "ckpt" / "tiny-qwen3-moe-2L"
+    stamp = (folder / "config.json").stat().st_mtime_ns
+    assert generate.ensure_checkpoint("tiny-qwen3-moe", None, str(tmp_path / "ckpt"), "cpu") == str(folder)
+    assert (folder / "config.json").stat().st_mtime_ns == stamp
+    # plot subcommand redraws from the JSON
+    assert main(["plot", str(out_json), str(tmp_path / "again.png")]) == 0
+
+
+def test_generate_benchmark_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="unknown method 'kbit7'"):
+        generate.parse_methods("bf16,kbit7")
+    with pytest.raises(ValueError, match="unknown model shape 'llama-9b'"):
+        generate.shape_config("llama-9b")
+    with pytest.raises(ValueError, match="--layers must be >= 1"):
+        generate.shape_config("llama-3-8b", 0)
+    cfg = generate.shape_config("llama-3-70b", 4)
+    assert cfg.num_hidden_layers == 4 and cfg.hidden_size == 8192
+    m = generate.parse_methods("bnb-nf4")[0]
+    assert m.name == "bnb-nf4"  # unavailable methods are reported, not fatal
