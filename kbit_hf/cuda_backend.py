@@ -42,7 +42,10 @@ __all__ = [
 ]
 
 GEMV_MAX_M = 8  # the fused dequant-GEMV handles up to this many activation rows; more -> dequantize + cuBLAS
-EXPERT_GEMV_MAX_N = 64  # grouped GEMV (one weight read per row) up to this many rows; more -> per-expert matmuls
+# expert GEMV (one kernel, each row reads its expert's weights) up to this many rows; more -> per-expert matmuls
+# after one host sync. A MoE prefill of 64 tokens x top-8 is 512 rows: the per-expert loop launches several kernels
+# for each expert present and is launch-bound there, while re-reading an expert's weights per row mostly hits L2.
+EXPERT_GEMV_MAX_N = 1024
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 

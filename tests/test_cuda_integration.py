@@ -48,11 +48,16 @@ def _greedy(model, ids, n, **kw):
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1).float()  # [B, n], [B, n, V]
 
 
-@pytest.mark.parametrize("family,batch", [("llama", 2), ("qwen3_moe", 40)])
+@pytest.mark.parametrize("family,batch", [("llama", 2), ("qwen3_moe", 4), ("qwen3_moe", 520)])
 def test_static_cache_generate_compiles_into_cuda_graphs_and_matches_eager(family, batch, tmp_path):
     """`cache_implementation="static"` auto-compiles the decode step (fullgraph: a graph break would raise) and
-    replays it as CUDA graphs; tokens and logits match eager decoding. qwen3_moe at batch 40 routes 80 rows per
-    layer, more than the eager expert-GEMV limit, so the capture-safe path of expert_linear is exercised."""
+    replays it as CUDA graphs; tokens and logits match eager decoding.
+
+    qwen3_moe at batch 520 routes 1040 rows per layer: more than the eager expert GEMV takes, so eager runs
+    per-expert dequantize + cuBLAS while the captured graph runs the per-row kernel (no host sync). The two round
+    differently, and a router near-tie can then pick another expert, so there only the first steps are compared
+    tightly."""
+    from kbit_hf.cuda_backend import EXPERT_GEMV_MAX_N
     from transformers import CompileConfig
     from torch._dynamo.utils import counters
 
@@ -74,11 +79,13 @@ def test_static_cache_generate_compiles_into_cuda_graphs_and_matches_eager(famil
     # Compare step by step up to each sequence's first differing token; a difference is allowed only where eager's
     # top two logits were within tolerance (a near tie that rounding can flip).
     tol = 0.05 * lg_e.abs().amax().item()
+    same_kernels = batch * model.config.num_experts_per_tok <= EXPERT_GEMV_MAX_N if family != "llama" else True
+    tight = n if same_kernels else 4
     for b in range(batch):
         diff = (tok_e[b] != tok_c[b]).nonzero()
-        stop = int(diff[0]) if len(diff) else n
+        stop = min(int(diff[0]) if len(diff) else n, tight)
         torch.testing.assert_close(lg_c[b, :stop], lg_e[b, :stop], rtol=0.05, atol=tol)
-        if stop < n:
+        if stop < tight:
             top2 = lg_e[b, stop].topk(2).values
             assert (top2[0] - lg_e[b, stop, tok_c[b, stop]]).item() <= tol, (b, stop)
-    assert (tok_e == tok_c).float().mean() > 0.9
+    assert (tok_e == tok_c).float().mean() > (0.95 if same_kernels else 0.8)
