@@ -10,7 +10,7 @@ from kbit_hf.bench.__main__ import main
 
 def test_generate_benchmark_tiny_cpu(tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
-    rc = main(["generate", "--model", "tiny-qwen3-moe", "--methods", "bf16,kbit4,kbit2", "--modes", "eager",
+    rc = main(["generate", "--model", "tiny-qwen3-moe", "--methods", "bf16,kbit4,kbit2", "--modes", "eager,static",
                "--batch", "1,3", "--prompt-len", "8", "--new-tokens", "5", "--device", "cpu",
                "--workdir", str(tmp_path / "ckpt"), "--json", str(out_json), "--png", str(out_png)])
     assert rc == 0
@@ -20,10 +20,13 @@ def test_generate_benchmark_tiny_cpu(tmp_path, capsys):
     assert set(by) == {"bf16", "kbit4", "kbit2"}
     for res in by.values():
         assert "error" not in res and res["load_s"] > 0
-        assert [(r["mode"], r["batch"]) for r in res["runs"]] == [("eager", 1), ("eager", 3)]
+        assert [(r["mode"], r["batch"]) for r in res["runs"]] == [("eager", 1), ("eager", 3), ("static", 1),
+                                                                  ("static", 3)]
         for r in res["runs"]:
             assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["ttft_ms"] > 0
             assert r["warm_tokens_equal"]  # greedy decoding is deterministic: warm-up and timed run agree
+            if r["mode"] == "static":  # on CPU generate does not compile: the static cache alone, same logits
+                assert r["static_vs_eager_logit_rel_err"] < 1e-2
     assert out_png.stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "decode tok/s" in printed and "kbit4" in printed
