@@ -6,10 +6,12 @@ Method. The model comes from a local checkpoint folder, or from a named architec
 that is written once to a local folder (so every method pays the same `from_pretrained` path: read, convert,
 quantize). Methods run back to back in one process; each is loaded, measured and freed before the next. For each
 (mode, batch): one full warm-up `generate` (compilation and graph capture happen here and are reported separately),
-then `generate` with 1 new token (time to first token, prefill tokens/s) and with N new tokens; decode tokens/s =
-batch * (N - 1) / (t_N - t_1), the median over `--repeats`. `min_new_tokens` = `max_new_tokens` so random weights
-never stop early. Memory: `torch.cuda` allocator statistics (resident after load, peak during load, peak during
-generation), relative to what was allocated before loading.
+then `--repeats` timed `generate` calls of N new tokens with a streamer that timestamps every token as it reaches the
+host (transformers synchronises once per step on CUDA anyway, to check for stopping). Time to first token = call
+start to first token (prefill tokens/s = batch * prompt / that); decode tokens/s = batch / median time between
+consecutive tokens (steady state); end-to-end tokens/s = batch * N / call time. Medians over the repeats.
+`min_new_tokens` = `max_new_tokens` so random weights never stop early. Memory: `torch.cuda` allocator statistics
+(resident after load, peak during load, peak during generation), relative to what was allocated before loading.
 """
 
 from __future__ import annotations
@@ -178,9 +180,22 @@ def _free(device):
         torch.cuda.empty_cache()
 
 
-def _generate(model, ids, new_tokens: int, static: bool, logits: bool = False):
+class _StepTimer:
+    """A `generate` streamer that only records when each token reached the host (first put = the prompt)."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def _generate(model, ids, new_tokens: int, static: bool, logits: bool = False, streamer=None):
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                  attention_mask=torch.ones_like(ids))
+                  attention_mask=torch.ones_like(ids), streamer=streamer)
     if static:
         kwargs["cache_implementation"] = "static"
     if logits:
@@ -203,25 +218,30 @@ def measure(model, device, *, batch: int, prompt_len: int, new_tokens: int, stat
     ids = torch.randint(10, vocab - 10, (batch, prompt_len), generator=g).to(device)
     _reset_peak(device)
     warm_s, warm_out = _timed(lambda: _generate(model, ids, new_tokens, static), device)
-    t1s, tns = [], []
+    ttfts, steps, totals = [], [], []
     out = None
     for _ in range(repeats):
-        t1, _ = _timed(lambda: _generate(model, ids, 1, static), device)
-        tn, out = _timed(lambda: _generate(model, ids, new_tokens, static), device)
-        t1s.append(t1)
-        tns.append(tn)
-    t1, tn = statistics.median(t1s), statistics.median(tns)
-    decode_s = max(tn - t1, 1e-9)
+        timer = _StepTimer()
+        _sync(device)
+        t0 = time.perf_counter()
+        out = _generate(model, ids, new_tokens, static, streamer=timer)
+        _sync(device)
+        totals.append(time.perf_counter() - t0)
+        tok = timer.times[1:]  # times[0]: the prompt was handed over
+        if len(tok) != new_tokens:
+            raise RuntimeError(f"streamer saw {len(tok)} tokens, expected {new_tokens}")
+        ttfts.append(tok[0] - t0)
+        steps.append(statistics.median(b - a for a, b in zip(tok, tok[1:])))
+    ttft, step, total = statistics.median(ttfts), statistics.median(steps), statistics.median(totals)
     peak = _mem(device)["peak"] - mem0
     # Logits of the first decode step (the prefill and the first token are the same in both modes, so eager and
     # static runs see identical inputs here): compared across modes by _compare_modes.
     first_decode_logits = _generate(model, ids, 2, static, logits=True).logits[1].float().cpu()
     return {
         "batch": batch, "mode": "static" if static else "eager", "warmup_s": warm_s,
-        "ttft_ms": t1 * 1e3, "prefill_tok_s": batch * prompt_len / t1,
-        "decode_tok_s": batch * (new_tokens - 1) / decode_s,
-        "decode_ms_per_step": decode_s / (new_tokens - 1) * 1e3,
-        "total_s": tn, "peak_gen_bytes": peak,
+        "ttft_ms": ttft * 1e3, "prefill_tok_s": batch * prompt_len / ttft,
+        "decode_tok_s": batch / step, "decode_ms_per_step": step * 1e3,
+        "e2e_tok_s": batch * new_tokens / total, "total_s": total, "peak_gen_bytes": peak,
         "warm_tokens_equal": bool(torch.equal(out, warm_out)), "first_decode_logits": first_decode_logits,
     }
 
@@ -302,7 +322,8 @@ def table(report: dict) -> str:
                 if "decode_tok_s" in r:
                     base[(r["mode"], r["batch"])] = r["decode_tok_s"]
     hdr = (f"{'method':<13} {'load s':>7} {'resident GB':>11} {'load peak GB':>12} {'mode':<7} {'batch':>5} "
-           f"{'TTFT ms':>8} {'prefill tok/s':>13} {'decode tok/s':>12} {'vs bf16':>8} {'peak GB':>8} {'warm-up s':>9} "
+           f"{'TTFT ms':>8} {'prefill tok/s':>13} {'decode tok/s':>12} {'vs bf16':>8} {'e2e tok/s':>9} {'peak GB':>8} "
+           f"{'warm-up s':>9} "
            f"{'logits vs eager':>15}")
     lines.append(hdr)
     lines.append("-" * len(hdr))
@@ -319,7 +340,7 @@ def table(report: dict) -> str:
                 b = base.get((r["mode"], r["batch"]))
                 vs = f"{r['decode_tok_s'] / b:7.2f}x" if b else f"{'-':>8}"
                 lines.append(f"{head} {r['mode']:<7} {r['batch']:>5} {r['ttft_ms']:8.1f} {r['prefill_tok_s']:13.0f} "
-                             f"{r['decode_tok_s']:12.1f} {vs} {_fmt_gb(r['peak_gen_bytes']):>8} "
+                             f"{r['decode_tok_s']:12.1f} {vs} {r['e2e_tok_s']:9.1f} {_fmt_gb(r['peak_gen_bytes']):>8} "
                              f"{r['warmup_s']:9.1f} {_fmt_err(r.get('static_vs_eager_logit_rel_err')):>15}")
             head = " " * len(head)
     return "\n".join(lines)
@@ -372,8 +393,8 @@ def run(args) -> int:
         if m not in ("eager", "static"):
             raise ValueError(f"unknown mode {m!r}; expected eager and/or static")
     args.batch = [int(b) for b in args.batch.split(",")]
-    if args.new_tokens < 2:
-        raise ValueError("--new-tokens must be >= 2 (decode speed is measured between 1 and N new tokens)")
+    if args.new_tokens < 3:
+        raise ValueError("--new-tokens must be >= 3 (decode speed is the median time between generated tokens)")
     if args.checkpoint:
         folder, model_name = args.checkpoint, os.path.basename(os.path.normpath(args.checkpoint))
     else:
@@ -397,7 +418,7 @@ def run(args) -> int:
     _compare_modes(report["results"])
     print()
     print(f"{model_name} on {dev_name}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens; "
-          f"decode tok/s counts all sequences of the batch")
+          f"tokens/s count all sequences of the batch; decode = steady state (median step), e2e = whole call")
     print(table(report))
     if args.json:
         _write_json(report, args.json)
@@ -430,7 +451,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=1, help="timed repeats after the warm-up (median)")
+    p.add_argument("--repeats", type=int, default=2, help="timed repeats after the warm-up (median)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--png", default=None, help="draw the decode-speed chart here (needs matplotlib)")
