@@ -140,15 +140,81 @@ __device__ __forceinline__ void decode_block(const uint32_t (&w)[5], uint32_t d2
   }
 }
 
-// Packed words and scale of one row-block. CHECK: blocks at or past nb give zeros.
+// ---- v6: codebook lookup in registers (K = 2, 3, 4) ----
+// PRMT (byte permute). Selector nibbles must have bit 3 clear (PRMT's sign-replicate mode); only bits 0..15 count.
+__host__ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
+#ifdef __CUDA_ARCH__
+  // inline PTX, not __byte_perm: the intrinsic is defined on 3-bit selector nibbles, so the compiler masks every
+  // non-constant selector with 0x7777 first (one LOP3 per lookup)
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
+  return r;
+#else
+  const uint64_t v = ((uint64_t)b << 32) | a;
+  uint32_t r = 0;
+  for (int n = 0; n < 4; ++n) r |= (uint32_t)((v >> (8 * ((s >> (4 * n)) & 7u))) & 0xFFu) << (8 * n);
+  return r;
+#endif
+}
+
+__host__ __device__ __forceinline__ uint32_t bsel(uint32_t m, uint32_t a, uint32_t b) { return (a & m) | (b & ~m); }
+
+// Codebook values (times PRE, rounded to the activation dtype) as byte planes: tl[n] byte b = low byte of entry
+// 4n + b, th[n] the high bytes (entries 0..2^K-1; K = 2 uses tl[0] / th[0] only).
+// Decode one row-block (K planes w) to 16 packed weight pairs, unscaled. Output order: a[8h + 2e + t] holds the
+// elements (16h + e + 8t, 16h + e + 8t + 4), e = 0..3, h, t = 0..1 (low half = the first element).
+//   Q_e (e = 0..3): nibble k = bits 0..2 (planes 0..2) of element 4k + e's index, bit 3 zero (a partial 4x4 bit
+//   transpose: 2 interleave steps, 15 instructions for all four words). Nibbles 0..3 select elements e, e+4, e+8,
+//   e+12, nibbles 4..7 (Q_e >> 16) elements 16 + those. One PRMT over (tl[0], tl[1]) looks up the four low bytes
+//   of entries 0..7, one over (th[0], th[1]) the high bytes; K = 4 does the same over entries 8..15 (tl[2], tl[3])
+//   and merges by plane 3 with one more PRMT per byte plane (selector nibble i = i + 4 * bit3). Two PRMTs
+//   interleave low and high bytes into the two bf16x2 / f16x2 words.
+template <int K>
+__host__ __device__ __forceinline__ void decode_reg(const uint32_t (&w)[5], const uint32_t (&tl)[4],
+                                                    const uint32_t (&th)[4], uint32_t (&a)[16]) {
+  static_assert(K >= 2 && K <= 4, "register decode: K = 2..4");
+  constexpr int T1 = K >= 3 ? 1 : 0;  // second table register for entries 4..7
+  const uint32_t D = bsel(0x55555555u, w[0], w[1] << 1);   // bit 2m: w0[2m], 2m+1: w1[2m]
+  const uint32_t Dp = bsel(0x55555555u, w[0] >> 1, w[1]);  // bit 2m: w0[2m+1], 2m+1: w1[2m+1]
+  const uint32_t ev = w[2] & 0x55555555u, od = w[2] & 0xAAAAAAAAu;
+  uint32_t Q[4];
+  Q[0] = bsel(0x33333333u, D, ev << 2);
+  Q[1] = bsel(0x33333333u, Dp, od << 1);
+  Q[2] = bsel(0x33333333u, D >> 2, ev);
+  Q[3] = bsel(0x33333333u, Dp >> 2, od >> 1);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    uint32_t m = 0;
+    if constexpr (K == 4) {
+      // merge selector: nibble i = i + 4 * (plane-3 bit of element e + 4i)
+      const uint32_t v = e <= 2 ? (w[3] << (2 - e)) : (w[3] >> (e - 2));
+      m = (v & 0x44444444u) | 0x32103210u;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t s = h ? (Q[e] >> 16) : Q[e];
+      uint32_t lo = prmt(tl[0], tl[T1], s), hi = prmt(th[0], th[T1], s);
+      if constexpr (K == 4) {
+        const uint32_t mh = h ? (m >> 16) : m;
+        lo = prmt(lo, prmt(tl[2], tl[3], s), mh);
+        hi = prmt(hi, prmt(th[2], th[3], s), mh);
+      }
+      a[8 * h + 2 * e] = prmt(lo, hi, 0x5140u);
+      a[8 * h + 2 * e + 1] = prmt(lo, hi, 0x7362u);
+    }
+  }
+}
+
+// Packed words and scale of one row-block. CHECK: blocks at or past nb give zeros. ow / oa: the row's offset (words /
+// scale elements) from the CTA's base pointers wb / ab; 32 bits suffice: 16 rows of at most 5 * 2^25 words.
 template <int K, bool CHECK>
-__device__ __forceinline__ void load_block(const uint32_t* __restrict__ wrow, const void* __restrict__ arow, int fp16,
-                                           int blk, int nb, uint32_t (&w)[5], uint32_t& sc) {
+__device__ __forceinline__ void load_block(const uint32_t* __restrict__ wb, uint32_t ow, const void* __restrict__ ab,
+                                           uint32_t oa, int fp16, int blk, int nb, uint32_t (&w)[5], uint32_t& sc) {
 #pragma unroll
   for (int j = 0; j < 5; ++j) w[j] = 0u;
   sc = 0u;
   if (CHECK && blk >= nb) return;
-  const uint32_t* p = wrow + blk * K;
+  const uint32_t* p = wb + (ow + (uint32_t)blk * K);
   if constexpr (K == 4) {
     const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p));
     w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
@@ -159,8 +225,9 @@ __device__ __forceinline__ void load_block(const uint32_t* __restrict__ wrow, co
 #pragma unroll
     for (int j = 0; j < K; ++j) w[j] = __ldcs(p + j);
   }
-  if (fp16) sc = __ldcs(reinterpret_cast<const unsigned short*>(arow) + blk);
-  else sc = __ldcs(reinterpret_cast<const unsigned char*>(arow) + blk);
+  const uint32_t ia = oa + (uint32_t)blk;
+  if (fp16) sc = __ldcs(reinterpret_cast<const unsigned short*>(ab) + ia);
+  else sc = __ldcs(reinterpret_cast<const unsigned char*>(ab) + ia);
 }
 
 // block scale code -> d * PRE as a packed pair in the activation dtype
@@ -205,46 +272,65 @@ struct Buf {
 };
 
 template <int K, bool CHECK>
-__device__ __forceinline__ void load_step(Buf& b, const uint32_t* __restrict__ w0, const uint32_t* __restrict__ w1,
-                                          const void* __restrict__ a0, const void* __restrict__ a1, int fp16, int b0,
+__device__ __forceinline__ void load_step(Buf& b, const uint32_t* __restrict__ wb, uint32_t ow0, uint32_t ow1,
+                                          const void* __restrict__ ab, uint32_t oa0, uint32_t oa1, int fp16, int b0,
                                           int q, int nb) {
 #pragma unroll
   for (int ob = 0; ob < 2; ++ob) {
     const int blk = b0 + q + 4 * ob;
-    load_block<K, CHECK>(w0, a0, fp16, blk, nb, b.w[ob][0], b.sc[ob][0]);
-    load_block<K, CHECK>(w1, a1, fp16, blk, nb, b.w[ob][1], b.sc[ob][1]);
+    load_block<K, CHECK>(wb, ow0, ab, oa0, fp16, blk, nb, b.w[ob][0], b.sc[ob][0]);
+    load_block<K, CHECK>(wb, ow1, ab, oa1, fp16, blk, nb, b.w[ob][1], b.sc[ob][1]);
   }
 }
 
-template <int K, typename T, bool CHECK>
+template <int K, typename T, bool CHECK, bool REG>
 __device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__ xr, bool xon, int fp16, int b0, int q,
-                                             int nb, int in, uint32_t c4, const char* tb, float (&acc)[4]) {
+                                             int nb, int in, uint32_t c4, const char* tb, const uint32_t (&tl)[4],
+                                             const uint32_t (&th)[4], float (&acc)[4]) {
 #pragma unroll
   for (int ob = 0; ob < 2; ++ob) {
     const int blk = b0 + q + 4 * ob;
     uint32_t xw[16];
     load_x<T, CHECK>(xr, xon && (!CHECK || blk < nb), blk, in, xw);
     uint32_t ag[16], ah[16];
-    decode_block<K, T>(b.w[ob][0], scale_pair<T>(b.sc[ob][0], fp16), c4, tb, ag);
-    decode_block<K, T>(b.w[ob][1], scale_pair<T>(b.sc[ob][1], fp16), c4, tb, ah);
+    if constexpr (REG) {
+      // weights come as pairs (e, e + 4) (see decode_reg): pair the activations the same way
+      decode_reg<K>(b.w[ob][0], tl, th, ag);
+      decode_reg<K>(b.w[ob][1], tl, th, ah);
+      const uint32_t dg = scale_pair<T>(b.sc[ob][0], fp16), dh = scale_pair<T>(b.sc[ob][1], fp16);
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const int lo = 8 * h + s, hi = lo + 4;
-        Mma<T>::run(acc, ag[lo], ah[lo], ag[hi], ah[hi], xw[lo], xw[hi]);
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int i0 = 8 * h + (e >> 1);
+          const uint32_t sel = (e & 1) ? 0x7632u : 0x5410u;
+          const uint32_t x0 = prmt(xw[i0], xw[i0 + 2], sel), x1 = prmt(xw[i0 + 4], xw[i0 + 6], sel);
+          const int p = 8 * h + 2 * e;
+          Mma<T>::run(acc, Mma<T>::mul2(ag[p], dg), Mma<T>::mul2(ah[p], dh), Mma<T>::mul2(ag[p + 1], dg),
+                      Mma<T>::mul2(ah[p + 1], dh), x0, x1);
+        }
+    } else {
+      decode_block<K, T>(b.w[ob][0], scale_pair<T>(b.sc[ob][0], fp16), c4, tb, ag);
+      decode_block<K, T>(b.w[ob][1], scale_pair<T>(b.sc[ob][1], fp16), c4, tb, ah);
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const int lo = 8 * h + s, hi = lo + 4;
+          Mma<T>::run(acc, ag[lo], ah[lo], ag[hi], ah[hi], xw[lo], xw[hi]);
+        }
+    }
   }
 }
 
 // x rows: x + m * in (m < M). ids != nullptr: expert mode (M == 1), token n = blockIdx.y, expert ids[n].
-template <int K, typename T>
+template <int K, typename T, bool REG>
 __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
     const T* __restrict__ x, int M, const uint32_t* __restrict__ packed, const void* __restrict__ absmax, int fp16,
     const float* __restrict__ scale, const float* __restrict__ codebook, const T* __restrict__ bias,
     T* __restrict__ y, int64_t out, int in, int nb, const int64_t* __restrict__ ids, int64_t E, int vec) {
   using C = Cfg<K>;
-  __shared__ __align__(16) uint32_t tbl[C::WORDS];
+  __shared__ __align__(16) uint32_t tbl[REG ? 4 : C::WORDS];  // pair table (v2 path only)
   __shared__ float red[MAX_WARPS][4][32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
   const int64_t o0 = (int64_t)blockIdx.x * TILE;
@@ -266,14 +352,17 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
   const uint32_t c4 = (uint32_t)(lane & (C::R - 1)) * 4u;
   const char* tb = reinterpret_cast<const char*>(tbl);
   // rows g and g + 8 of the tile, clamped into the matrix (rows past `out` compute garbage that is never written)
-  const int64_t r0 = e * out + (o0 + g < out ? o0 + g : out - 1);
-  const int64_t r1 = e * out + (o0 + g + 8 < out ? o0 + g + 8 : out - 1);
+  // rows g and g + 8 of the tile, clamped into the matrix (rows past `out` compute garbage that is never written),
+  // as 32-bit offsets from the tile's first row
+  const int64_t rb = e * out + o0;
+  const uint32_t d0 = (uint32_t)((o0 + g < out ? o0 + g : out - 1) - o0);
+  const uint32_t d1 = (uint32_t)((o0 + g + 8 < out ? o0 + g + 8 : out - 1) - o0);
   const int64_t rw = (int64_t)nb * K;
-  const uint32_t* __restrict__ w0 = packed + r0 * rw;
-  const uint32_t* __restrict__ w1 = packed + r1 * rw;
+  const uint32_t* __restrict__ wb = packed + rb * rw;
+  const uint32_t ow0 = d0 * (uint32_t)rw, ow1 = d1 * (uint32_t)rw;
   const int as = fp16 ? 2 : 1;
-  const void* a0 = reinterpret_cast<const char*>(absmax) + r0 * nb * as;
-  const void* a1 = reinterpret_cast<const char*>(absmax) + r1 * nb * as;
+  const void* ab = reinterpret_cast<const char*>(absmax) + rb * nb * as;
+  const uint32_t oa0 = d0 * (uint32_t)nb, oa1 = d1 * (uint32_t)nb;
   const bool xon = g < M;
   const T* xg = xr + (int64_t)(xon ? g : 0) * in;
 
@@ -282,41 +371,52 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
   const int nfs = vec ? (in / BLOCK) / STEP : 0;
   int st = warp;
   Buf cur;
-  if (st < nfs) load_step<K, false>(cur, w0, w1, a0, a1, fp16, st * STEP, q, nb);
-  // pair table: entry P holds (cb[i0], cb[i1]) * PRE, i0 / i1 = the even / odd bits of P, in R replicas
-  for (int p = tid; p < C::NP; p += blockDim.x) {
-    uint32_t i0 = 0, i1 = 0;
+  if (st < nfs) load_step<K, false>(cur, wb, ow0, ow1, ab, oa0, oa1, fp16, st * STEP, q, nb);
+  uint32_t tl[4] = {0u, 0u, 0u, 0u}, th[4] = {0u, 0u, 0u, 0u};
+  if constexpr (REG) {
+    // codebook (times PRE, in the activation dtype) as byte planes in registers: tl[n] / th[n] byte b = low / high
+    // byte of entry 4n + b
 #pragma unroll
-    for (int j = 0; j < K; ++j) {
-      i0 |= ((p >> (2 * j)) & 1u) << j;
-      i1 |= ((p >> (2 * j + 1)) & 1u) << j;
+    for (int i = 0; i < (1 << K); ++i) {
+      const uint32_t v = Mma<T>::pack(__ldg(codebook + i) * Mma<T>::PRE, 0.f) & 0xFFFFu;
+      tl[i >> 2] |= (v & 0xFFu) << (8 * (i & 3));
+      th[i >> 2] |= (v >> 8) << (8 * (i & 3));
     }
-    const uint32_t v = Mma<T>::pack(__ldg(codebook + i0) * Mma<T>::PRE, __ldg(codebook + i1) * Mma<T>::PRE);
-    if constexpr (C::R >= 4) {
+  } else {
+    // pair table: entry P holds (cb[i0], cb[i1]) * PRE, i0 / i1 = the even / odd bits of P, in R replicas
+    for (int p = tid; p < C::NP; p += blockDim.x) {
+      uint32_t i0 = 0, i1 = 0;
 #pragma unroll
-      for (int r = 0; r < C::R; r += 4) *reinterpret_cast<uint4*>(&tbl[p * C::R + r]) = make_uint4(v, v, v, v);
-    } else {
+      for (int j = 0; j < K; ++j) {
+        i0 |= ((p >> (2 * j)) & 1u) << j;
+        i1 |= ((p >> (2 * j + 1)) & 1u) << j;
+      }
+      const uint32_t v = Mma<T>::pack(__ldg(codebook + i0) * Mma<T>::PRE, __ldg(codebook + i1) * Mma<T>::PRE);
+      if constexpr (C::R >= 4) {
 #pragma unroll
-      for (int r = 0; r < C::R; ++r) tbl[p * C::R + r] = v;
+        for (int r = 0; r < C::R; r += 4) *reinterpret_cast<uint4*>(&tbl[p * C::R + r]) = make_uint4(v, v, v, v);
+      } else {
+#pragma unroll
+        for (int r = 0; r < C::R; ++r) tbl[p * C::R + r] = v;
+      }
     }
+    __syncthreads();
   }
-  __syncthreads();
-
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   if (st < nfs) {
 #pragma unroll 1
     for (; st < nfs; st += W) {
       Buf nxt;
-      if (st + W < nfs) load_step<K, false>(nxt, w0, w1, a0, a1, fp16, (st + W) * STEP, q, nb);
-      compute_step<K, T, false>(cur, xg, xon, fp16, st * STEP, q, nb, in, c4, tb, acc);
+      if (st + W < nfs) load_step<K, false>(nxt, wb, ow0, ow1, ab, oa0, oa1, fp16, (st + W) * STEP, q, nb);
+      compute_step<K, T, false, REG>(cur, xg, xon, fp16, st * STEP, q, nb, in, c4, tb, tl, th, acc);
       cur = nxt;
     }
   }
   // the remaining blocks (fewer than 8, or all of them when x is not vector-loadable): checked, strided over warps
   for (int s2 = nfs + warp; s2 * STEP < nb; s2 += W) {
-    Buf tl;
-    load_step<K, true>(tl, w0, w1, a0, a1, fp16, s2 * STEP, q, nb);
-    compute_step<K, T, true>(tl, xg, xon, fp16, s2 * STEP, q, nb, in, c4, tb, acc);
+    Buf tb2;
+    load_step<K, true>(tb2, wb, ow0, ow1, ab, oa0, oa1, fp16, s2 * STEP, q, nb);
+    compute_step<K, T, true, REG>(tb2, xg, xon, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th, acc);
   }
 
   // reduce the W warps' tiles in a fixed order
@@ -363,9 +463,17 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
     return (n == 1 || n == 2 || n == 4 || n == 8) ? n : 0;
   }();
   if (w_env) W = w_env;
-  gemv_kernel<K, T><<<grid, W * 32, 0, st>>>(reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb,
-                                             reinterpret_cast<const T*>(bias), reinterpret_cast<T*>(y), out, (int)in,
-                                             (int)nb, ids, E, vec);
+  // decode: codebook in registers (v6) for K <= 4, the shared-memory pair table (v2) for K = 5.
+  // KBIT_GEMV_IMPL=table forces the v2 table path for every K (benchmark knob, read once).
+  static const bool force_table = [] {
+    const char* v = getenv("KBIT_GEMV_IMPL");
+    return v != nullptr && v[0] == 't';
+  }();
+  constexpr bool kReg = K <= 4;
+  auto kern = (kReg && !force_table) ? gemv_kernel<K, T, kReg> : gemv_kernel<K, T, false>;
+  kern<<<grid, W * 32, 0, st>>>(reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb,
+                                reinterpret_cast<const T*>(bias), reinterpret_cast<T*>(y), out, (int)in, (int)nb, ids,
+                                E, vec);
   return (int)cudaGetLastError();
 }
 
