@@ -157,6 +157,18 @@ __host__ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32
 #endif
 }
 
+// x >> N as a multiply-high (IMAD.HI on the FMA pipe instead of SHF on the integer pipe, which the PRMTs fill)
+template <int N>
+__host__ __device__ __forceinline__ uint32_t shr_hi(uint32_t x) {
+#ifdef __CUDA_ARCH__
+  uint32_t r;
+  asm("mul.hi.u32 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(1u << (32 - N)));
+  return r;
+#else
+  return x >> N;
+#endif
+}
+
 __host__ __device__ __forceinline__ uint32_t bsel(uint32_t m, uint32_t a, uint32_t b) { return (a & m) | (b & ~m); }
 
 // Codebook values (times PRE, rounded to the activation dtype) as byte planes: tl[n] byte b = low byte of entry
@@ -175,33 +187,52 @@ __host__ __device__ __forceinline__ void decode_reg(const uint32_t (&w)[5], cons
   static_assert(K >= 2 && K <= 4, "register decode: K = 2..4");
   constexpr int T1 = K >= 3 ? 1 : 0;  // second table register for entries 4..7
   const uint32_t D = bsel(0x55555555u, w[0], w[1] << 1);   // bit 2m: w0[2m], 2m+1: w1[2m]
-  const uint32_t Dp = bsel(0x55555555u, w[0] >> 1, w[1]);  // bit 2m: w0[2m+1], 2m+1: w1[2m+1]
+  const uint32_t Dp = bsel(0x55555555u, shr_hi<1>(w[0]), w[1]);  // bit 2m: w0[2m+1], 2m+1: w1[2m+1]
   const uint32_t ev = w[2] & 0x55555555u, od = w[2] & 0xAAAAAAAAu;
   uint32_t Q[4];
   Q[0] = bsel(0x33333333u, D, ev << 2);
   Q[1] = bsel(0x33333333u, Dp, od << 1);
-  Q[2] = bsel(0x33333333u, D >> 2, ev);
-  Q[3] = bsel(0x33333333u, Dp >> 2, od >> 1);
+  Q[2] = bsel(0x33333333u, shr_hi<2>(D), ev);
+  Q[3] = bsel(0x33333333u, shr_hi<2>(Dp), shr_hi<1>(od));
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
     uint32_t m = 0;
     if constexpr (K == 4) {
       // merge selector: nibble i = i + 4 * (plane-3 bit of element e + 4i)
-      const uint32_t v = e <= 2 ? (w[3] << (2 - e)) : (w[3] >> (e - 2));
+      const uint32_t v = e <= 2 ? (w[3] << (2 - e)) : shr_hi<1>(w[3]);
+#ifdef __CUDA_ARCH__
+      asm("lop3.b32 %0, %1, 0x44444444, %2, 0xEA;" : "=r"(m) : "r"(v), "r"(0x32103210u));  // (v & 0x4444..) | c
+#else
       m = (v & 0x44444444u) | 0x32103210u;
+#endif
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const uint32_t s = h ? (Q[e] >> 16) : Q[e];
+      const uint32_t s = h ? shr_hi<16>(Q[e]) : Q[e];
       uint32_t lo = prmt(tl[0], tl[T1], s), hi = prmt(th[0], th[T1], s);
       if constexpr (K == 4) {
-        const uint32_t mh = h ? (m >> 16) : m;
+        const uint32_t mh = h ? shr_hi<16>(m) : m;
         lo = prmt(lo, prmt(tl[2], tl[3], s), mh);
         hi = prmt(hi, prmt(th[2], th[3], s), mh);
       }
       a[8 * h + 2 * e] = prmt(lo, hi, 0x5140u);
       a[8 * h + 2 * e + 1] = prmt(lo, hi, 0x7362u);
     }
+  }
+}
+
+// the K packed words of one row-block (streamed: read once)
+template <int K>
+__device__ __forceinline__ void load_words(const uint32_t* __restrict__ p, uint32_t (&w)[5]) {
+  if constexpr (K == 4) {
+    const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p));
+    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+  } else if constexpr (K == 2) {
+    const uint2 v = __ldcs(reinterpret_cast<const uint2*>(p));
+    w[0] = v.x; w[1] = v.y;
+  } else {
+#pragma unroll
+    for (int j = 0; j < K; ++j) w[j] = __ldcs(p + j);
   }
 }
 
@@ -214,17 +245,7 @@ __device__ __forceinline__ void load_block(const uint32_t* __restrict__ wb, uint
   for (int j = 0; j < 5; ++j) w[j] = 0u;
   sc = 0u;
   if (CHECK && blk >= nb) return;
-  const uint32_t* p = wb + (ow + (uint32_t)blk * K);
-  if constexpr (K == 4) {
-    const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p));
-    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-  } else if constexpr (K == 2) {
-    const uint2 v = __ldcs(reinterpret_cast<const uint2*>(p));
-    w[0] = v.x; w[1] = v.y;
-  } else {
-#pragma unroll
-    for (int j = 0; j < K; ++j) w[j] = __ldcs(p + j);
-  }
+  load_words<K>(wb + (ow + (uint32_t)blk * K), w);
   const uint32_t ia = oa + (uint32_t)blk;
   if (fp16) sc = __ldcs(reinterpret_cast<const unsigned short*>(ab) + ia);
   else sc = __ldcs(reinterpret_cast<const unsigned char*>(ab) + ia);
@@ -283,15 +304,39 @@ __device__ __forceinline__ void load_step(Buf& b, const uint32_t* __restrict__ w
   }
 }
 
+// main-loop loads of one step (no bounds checks) through pointers that the loop advances: w0 / w1 point at the first
+// owned block (b0 + q) of rows g / g + 8, a0 / a1 at its block scale (bytes; 2 per scale when fp16)
+template <int K>
+__device__ __forceinline__ void load_step_p(Buf& b, const uint32_t* __restrict__ w0, const uint32_t* __restrict__ w1,
+                                            const unsigned char* __restrict__ a0,
+                                            const unsigned char* __restrict__ a1, int fp16) {
+#pragma unroll
+  for (int ob = 0; ob < 2; ++ob) {
+#pragma unroll
+    for (int j = 0; j < 5; ++j) b.w[ob][0][j] = b.w[ob][1][j] = 0u;
+    load_words<K>(w0 + 4 * K * ob, b.w[ob][0]);
+    load_words<K>(w1 + 4 * K * ob, b.w[ob][1]);
+    if (fp16) {
+      b.sc[ob][0] = __ldcs(reinterpret_cast<const unsigned short*>(a0) + 4 * ob);
+      b.sc[ob][1] = __ldcs(reinterpret_cast<const unsigned short*>(a1) + 4 * ob);
+    } else {
+      b.sc[ob][0] = __ldcs(a0 + 4 * ob);
+      b.sc[ob][1] = __ldcs(a1 + 4 * ob);
+    }
+  }
+}
+
+// xq (main loop only, !CHECK): the activations of block b0 + q of token g; CHECK: xr (row of token g) and blk
 template <int K, typename T, bool CHECK, bool REG>
-__device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__ xr, bool xon, int fp16, int b0, int q,
-                                             int nb, int in, uint32_t c4, const char* tb, const uint32_t (&tl)[4],
-                                             const uint32_t (&th)[4], float (&acc)[4]) {
+__device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__ xr, const T* __restrict__ xq, bool xon,
+                                             int fp16, int b0, int q, int nb, int in, uint32_t c4, const char* tb,
+                                             const uint32_t (&tl)[4], const uint32_t (&th)[4], float (&acc)[4]) {
 #pragma unroll
   for (int ob = 0; ob < 2; ++ob) {
     const int blk = b0 + q + 4 * ob;
     uint32_t xw[16];
-    load_x<T, CHECK>(xr, xon && (!CHECK || blk < nb), blk, in, xw);
+    if constexpr (CHECK) load_x<T, true>(xr, xon && blk < nb, blk, in, xw);
+    else load_x<T, false>(xq, true, 4 * ob, in, xw);  // tokens >= M read token 0: their columns are dropped
     uint32_t ag[16], ah[16];
     if constexpr (REG) {
       // weights come as pairs (e, e + 4) (see decode_reg): pair the activations the same way
@@ -371,7 +416,18 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
   const int nfs = vec ? (in / BLOCK) / STEP : 0;
   int st = warp;
   Buf cur;
-  if (st < nfs) load_step<K, false>(cur, wb, ow0, ow1, ab, oa0, oa1, fp16, st * STEP, q, nb);
+  // main-loop pointers, at step st's first owned block
+  const int64_t boff = (int64_t)st * STEP + q;
+  const uint32_t* __restrict__ pw0 = wb + ow0 + boff * K;
+  const uint32_t* __restrict__ pw1 = wb + ow1 + boff * K;
+  const unsigned char* __restrict__ pa0 = reinterpret_cast<const unsigned char*>(ab) + ((int64_t)oa0 + boff) * as;
+  const unsigned char* __restrict__ pa1 = reinterpret_cast<const unsigned char*>(ab) + ((int64_t)oa1 + boff) * as;
+  const T* __restrict__ xq = xg + boff * BLOCK;
+  const int64_t dw = (int64_t)W * STEP * K, da = (int64_t)W * STEP * as, dx = (int64_t)W * STEP * BLOCK;
+  if (st < nfs) {
+    load_step_p<K>(cur, pw0, pw1, pa0, pa1, fp16);
+    pw0 += dw; pw1 += dw; pa0 += da; pa1 += da;
+  }
   uint32_t tl[4] = {0u, 0u, 0u, 0u}, th[4] = {0u, 0u, 0u, 0u};
   if constexpr (REG) {
     // codebook (times PRE, in the activation dtype) as byte planes in registers: tl[n] / th[n] byte b = low / high
@@ -407,8 +463,12 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
 #pragma unroll 1
     for (; st < nfs; st += W) {
       Buf nxt;
-      if (st + W < nfs) load_step<K, false>(nxt, wb, ow0, ow1, ab, oa0, oa1, fp16, (st + W) * STEP, q, nb);
-      compute_step<K, T, false, REG>(cur, xg, xon, fp16, st * STEP, q, nb, in, c4, tb, tl, th, acc);
+      if (st + W < nfs) {
+        load_step_p<K>(nxt, pw0, pw1, pa0, pa1, fp16);
+        pw0 += dw; pw1 += dw; pa0 += da; pa1 += da;
+      }
+      compute_step<K, T, false, REG>(cur, xg, xq, xon, fp16, st * STEP, q, nb, in, c4, tb, tl, th, acc);
+      xq += dx;
       cur = nxt;
     }
   }
@@ -416,7 +476,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
   for (int s2 = nfs + warp; s2 * STEP < nb; s2 += W) {
     Buf tb2;
     load_step<K, true>(tb2, wb, ow0, ow1, ab, oa0, oa1, fp16, s2 * STEP, q, nb);
-    compute_step<K, T, true, REG>(tb2, xg, xon, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th, acc);
+    compute_step<K, T, true, REG>(tb2, xg, xg, xon, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th, acc);
   }
 
   // reduce the W warps' tiles in a fixed order
