@@ -184,7 +184,7 @@ __host__ __device__ __forceinline__ uint32_t bsel(uint32_t m, uint32_t a, uint32
 template <int K>
 __host__ __device__ __forceinline__ void decode_reg(const uint32_t (&w)[5], const uint32_t (&tl)[4],
                                                     const uint32_t (&th)[4], uint32_t (&a)[16]) {
-  static_assert(K >= 2 && K <= 4, "register decode: K = 2..4");
+  // K = 5 instantiates this (modes are run-time constants per kernel) but never calls it: it uses the table (mode 0)
   constexpr int T1 = K >= 3 ? 1 : 0;  // second table register for entries 4..7
   const uint32_t D = bsel(0x55555555u, w[0], w[1] << 1);   // bit 2m: w0[2m], 2m+1: w1[2m]
   const uint32_t Dp = bsel(0x55555555u, shr_hi<1>(w[0]), w[1]);  // bit 2m: w0[2m+1], 2m+1: w1[2m+1]
@@ -327,7 +327,7 @@ __device__ __forceinline__ void load_step_p(Buf& b, const uint32_t* __restrict__
 }
 
 // xq (main loop only, !CHECK): the activations of block b0 + q of token g; CHECK: xr (row of token g) and blk
-template <int K, typename T, bool CHECK, bool REG>
+template <int K, typename T, bool CHECK, int MODE>
 __device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__ xr, const T* __restrict__ xq, bool xon,
                                              int fp16, int b0, int q, int nb, int in, uint32_t c4, const char* tb,
                                              const uint32_t (&tl)[4], const uint32_t (&th)[4], float (&acc)[4]) {
@@ -338,7 +338,7 @@ __device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__
     if constexpr (CHECK) load_x<T, true>(xr, xon && blk < nb, blk, in, xw);
     else load_x<T, false>(xq, true, 4 * ob, in, xw);  // tokens >= M read token 0: their columns are dropped
     uint32_t ag[16], ah[16];
-    if constexpr (REG) {
+    if (MODE == 1 || (MODE == 2 && ob == 0)) {  // constant after unrolling
       // weights come as pairs (e, e + 4) (see decode_reg): pair the activations the same way
       decode_reg<K>(b.w[ob][0], tl, th, ag);
       decode_reg<K>(b.w[ob][1], tl, th, ah);
@@ -369,13 +369,13 @@ __device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__
 }
 
 // x rows: x + m * in (m < M). ids != nullptr: expert mode (M == 1), token n = blockIdx.y, expert ids[n].
-template <int K, typename T, bool REG>
+template <int K, typename T, int MODE>
 __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
     const T* __restrict__ x, int M, const uint32_t* __restrict__ packed, const void* __restrict__ absmax, int fp16,
     const float* __restrict__ scale, const float* __restrict__ codebook, const T* __restrict__ bias,
     T* __restrict__ y, int64_t out, int in, int nb, const int64_t* __restrict__ ids, int64_t E, int vec) {
   using C = Cfg<K>;
-  __shared__ __align__(16) uint32_t tbl[REG ? 4 : C::WORDS];  // pair table (v2 path only)
+  __shared__ __align__(16) uint32_t tbl[MODE == 1 ? 4 : C::WORDS];  // pair table (modes 0, 2)
   __shared__ float red[MAX_WARPS][4][32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
   const int64_t o0 = (int64_t)blockIdx.x * TILE;
@@ -429,7 +429,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
     pw0 += dw; pw1 += dw; pa0 += da; pa1 += da;
   }
   uint32_t tl[4] = {0u, 0u, 0u, 0u}, th[4] = {0u, 0u, 0u, 0u};
-  if constexpr (REG) {
+  if constexpr (MODE != 0) {
     // codebook (times PRE, in the activation dtype) as byte planes in registers: tl[n] / th[n] byte b = low / high
     // byte of entry 4n + b
 #pragma unroll
@@ -438,7 +438,8 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
       tl[i >> 2] |= (v & 0xFFu) << (8 * (i & 3));
       th[i >> 2] |= (v >> 8) << (8 * (i & 3));
     }
-  } else {
+  }
+  if constexpr (MODE != 1) {
     // pair table: entry P holds (cb[i0], cb[i1]) * PRE, i0 / i1 = the even / odd bits of P, in R replicas
     for (int p = tid; p < C::NP; p += blockDim.x) {
       uint32_t i0 = 0, i1 = 0;
@@ -467,7 +468,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
         load_step_p<K>(nxt, pw0, pw1, pa0, pa1, fp16);
         pw0 += dw; pw1 += dw; pa0 += da; pa1 += da;
       }
-      compute_step<K, T, false, REG>(cur, xg, xq, xon, fp16, st * STEP, q, nb, in, c4, tb, tl, th, acc);
+      compute_step<K, T, false, MODE>(cur, xg, xq, xon, fp16, st * STEP, q, nb, in, c4, tb, tl, th, acc);
       xq += dx;
       cur = nxt;
     }
@@ -476,7 +477,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
   for (int s2 = nfs + warp; s2 * STEP < nb; s2 += W) {
     Buf tb2;
     load_step<K, true>(tb2, wb, ow0, ow1, ab, oa0, oa1, fp16, s2 * STEP, q, nb);
-    compute_step<K, T, true, REG>(tb2, xg, xg, xon, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th, acc);
+    compute_step<K, T, true, MODE>(tb2, xg, xg, xon, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th, acc);
   }
 
   // reduce the W warps' tiles in a fixed order
@@ -523,14 +524,18 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
     return (n == 1 || n == 2 || n == 4 || n == 8) ? n : 0;
   }();
   if (w_env) W = w_env;
-  // decode: codebook in registers (v6) for K <= 4, the shared-memory pair table (v2) for K = 5.
-  // KBIT_GEMV_IMPL=table forces the v2 table path for every K (benchmark knob, read once).
-  static const bool force_table = [] {
+  // decode (MODE): 1 = codebook in registers (v6), the default for K <= 4; 0 = the shared-memory pair table (v2), the
+  // only one for K = 5; 2 = hybrid, the first owned block of a step from registers, the second from the table.
+  // KBIT_GEMV_IMPL = table / hybrid overrides for K <= 4 (benchmark knob, read once).
+  static const int impl_env = [] {
     const char* v = getenv("KBIT_GEMV_IMPL");
-    return v != nullptr && v[0] == 't';
+    return v == nullptr ? 1 : v[0] == 't' ? 0 : v[0] == 'h' ? 2 : 1;
   }();
-  constexpr bool kReg = K <= 4;
-  auto kern = (kReg && !force_table) ? gemv_kernel<K, T, kReg> : gemv_kernel<K, T, false>;
+  auto kern = gemv_kernel<K, T, 0>;
+  if constexpr (K <= 4) {
+    if (impl_env == 1) kern = gemv_kernel<K, T, 1>;
+    if (impl_env == 2) kern = gemv_kernel<K, T, 2>;
+  }
   kern<<<grid, W * 32, 0, st>>>(reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb,
                                 reinterpret_cast<const T*>(bias), reinterpret_cast<T*>(y), out, (int)in, (int)nb, ids,
                                 E, vec);
