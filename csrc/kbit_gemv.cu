@@ -181,43 +181,58 @@ __host__ __device__ __forceinline__ uint32_t bsel(uint32_t m, uint32_t a, uint32
 //   of entries 0..7, one over (th[0], th[1]) the high bytes; K = 4 does the same over entries 8..15 (tl[2], tl[3])
 //   and merges by plane 3 with one more PRMT per byte plane (selector nibble i = i + 4 * bit3). Two PRMTs
 //   interleave low and high bytes into the two bf16x2 / f16x2 words.
+// selectors of one row-block: Q[e] (lookup, planes 0..2) and, for K = 4, m[e] (merge by plane 3)
 template <int K>
-__host__ __device__ __forceinline__ void decode_reg(const uint32_t (&w)[5], const uint32_t (&tl)[4],
-                                                    const uint32_t (&th)[4], uint32_t (&a)[16]) {
-  // K = 5 instantiates this (modes are run-time constants per kernel) but never calls it: it uses the table (mode 0)
-  constexpr int T1 = K >= 3 ? 1 : 0;  // second table register for entries 4..7
-  const uint32_t D = bsel(0x55555555u, w[0], w[1] << 1);   // bit 2m: w0[2m], 2m+1: w1[2m]
+__host__ __device__ __forceinline__ void reg_selectors(const uint32_t (&w)[5], uint32_t (&Q)[4], uint32_t (&m)[4]) {
+  const uint32_t D = bsel(0x55555555u, w[0], w[1] << 1);          // bit 2m: w0[2m], 2m+1: w1[2m]
   const uint32_t Dp = bsel(0x55555555u, shr_hi<1>(w[0]), w[1]);  // bit 2m: w0[2m+1], 2m+1: w1[2m+1]
   const uint32_t ev = w[2] & 0x55555555u, od = w[2] & 0xAAAAAAAAu;
-  uint32_t Q[4];
   Q[0] = bsel(0x33333333u, D, ev << 2);
   Q[1] = bsel(0x33333333u, Dp, od << 1);
   Q[2] = bsel(0x33333333u, shr_hi<2>(D), ev);
   Q[3] = bsel(0x33333333u, shr_hi<2>(Dp), shr_hi<1>(od));
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    uint32_t m = 0;
+    m[e] = 0u;
     if constexpr (K == 4) {
       // merge selector: nibble i = i + 4 * (plane-3 bit of element e + 4i)
       const uint32_t v = e <= 2 ? (w[3] << (2 - e)) : shr_hi<1>(w[3]);
 #ifdef __CUDA_ARCH__
-      asm("lop3.b32 %0, %1, 0x44444444, %2, 0xEA;" : "=r"(m) : "r"(v), "r"(0x32103210u));  // (v & 0x4444..) | c
+      asm("lop3.b32 %0, %1, 0x44444444, %2, 0xEA;" : "=r"(m[e]) : "r"(v), "r"(0x32103210u));  // (v & 0x4444..) | c
 #else
-      m = (v & 0x44444444u) | 0x32103210u;
+      m[e] = (v & 0x44444444u) | 0x32103210u;
 #endif
     }
+  }
+}
+
+// group (h, e) of one row-block: a0 = elements (16h + e, 16h + e + 4), a1 = (16h + e + 8, 16h + e + 12), unscaled
+template <int K, int H>
+__host__ __device__ __forceinline__ void reg_group(uint32_t Qe, uint32_t me, const uint32_t (&tl)[4],
+                                                   const uint32_t (&th)[4], uint32_t& a0, uint32_t& a1) {
+  constexpr int T1 = K >= 3 ? 1 : 0;  // second table register for entries 4..7
+  const uint32_t s = H ? shr_hi<16>(Qe) : Qe;
+  uint32_t lo = prmt(tl[0], tl[T1], s), hi = prmt(th[0], th[T1], s);
+  if constexpr (K == 4) {
+    const uint32_t mh = H ? shr_hi<16>(me) : me;
+    lo = prmt(lo, prmt(tl[2], tl[3], s), mh);
+    hi = prmt(hi, prmt(th[2], th[3], s), mh);
+  }
+  a0 = prmt(lo, hi, 0x5140u);
+  a1 = prmt(lo, hi, 0x7362u);
+}
+
+// whole row-block (host self-test): a[8h + 2e + t] = elements (16h + e + 8t, 16h + e + 8t + 4)
+// K = 5 instantiates the register path (modes are run-time constants per kernel) but never runs it: it uses mode 0
+template <int K>
+__host__ __device__ __forceinline__ void decode_reg(const uint32_t (&w)[5], const uint32_t (&tl)[4],
+                                                    const uint32_t (&th)[4], uint32_t (&a)[16]) {
+  uint32_t Q[4], m[4];
+  reg_selectors<K>(w, Q, m);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t s = h ? shr_hi<16>(Q[e]) : Q[e];
-      uint32_t lo = prmt(tl[0], tl[T1], s), hi = prmt(th[0], th[T1], s);
-      if constexpr (K == 4) {
-        const uint32_t mh = h ? shr_hi<16>(m) : m;
-        lo = prmt(lo, prmt(tl[2], tl[3], s), mh);
-        hi = prmt(hi, prmt(th[2], th[3], s), mh);
-      }
-      a[8 * h + 2 * e] = prmt(lo, hi, 0x5140u);
-      a[8 * h + 2 * e + 1] = prmt(lo, hi, 0x7362u);
-    }
+  for (int e = 0; e < 4; ++e) {
+    reg_group<K, 0>(Q[e], m[e], tl, th, a[2 * e], a[2 * e + 1]);
+    reg_group<K, 1>(Q[e], m[e], tl, th, a[8 + 2 * e], a[8 + 2 * e + 1]);
   }
 }
 
@@ -336,12 +351,14 @@ __device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__
     const int blk = b0 + q + 4 * ob;
     uint32_t xw[16];
     if constexpr (CHECK) load_x<T, true>(xr, xon && blk < nb, blk, in, xw);
-    else load_x<T, false>(xq, true, 4 * ob, in, xw);  // tokens >= M read token 0: their columns are dropped
+    else load_x<T, false>(xq, xon, 4 * ob, in, xw);
     uint32_t ag[16], ah[16];
     if (MODE == 1 || (MODE == 2 && ob == 0)) {  // constant after unrolling
       // weights come as pairs (e, e + 4) (see decode_reg): pair the activations the same way
-      decode_reg<K>(b.w[ob][0], tl, th, ag);
-      decode_reg<K>(b.w[ob][1], tl, th, ah);
+      // selectors first, then each group is looked up right before its MMA (fewer live registers)
+      uint32_t Qg[4], mg[4], Qh[4], mh[4];
+      reg_selectors<K>(b.w[ob][0], Qg, mg);
+      reg_selectors<K>(b.w[ob][1], Qh, mh);
       const uint32_t dg = scale_pair<T>(b.sc[ob][0], fp16), dh = scale_pair<T>(b.sc[ob][1], fp16);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
@@ -350,9 +367,16 @@ __device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__
           const int i0 = 8 * h + (e >> 1);
           const uint32_t sel = (e & 1) ? 0x7632u : 0x5410u;
           const uint32_t x0 = prmt(xw[i0], xw[i0 + 2], sel), x1 = prmt(xw[i0 + 4], xw[i0 + 6], sel);
-          const int p = 8 * h + 2 * e;
-          Mma<T>::run(acc, Mma<T>::mul2(ag[p], dg), Mma<T>::mul2(ah[p], dh), Mma<T>::mul2(ag[p + 1], dg),
-                      Mma<T>::mul2(ah[p + 1], dh), x0, x1);
+          uint32_t g0, g1, h0, h1;
+          if (h == 0) {
+            reg_group<K, 0>(Qg[e], mg[e], tl, th, g0, g1);
+            reg_group<K, 0>(Qh[e], mh[e], tl, th, h0, h1);
+          } else {
+            reg_group<K, 1>(Qg[e], mg[e], tl, th, g0, g1);
+            reg_group<K, 1>(Qh[e], mh[e], tl, th, h0, h1);
+          }
+          Mma<T>::run(acc, Mma<T>::mul2(g0, dg), Mma<T>::mul2(h0, dh), Mma<T>::mul2(g1, dg), Mma<T>::mul2(h1, dh),
+                      x0, x1);
         }
     } else {
       decode_block<K, T>(b.w[ob][0], scale_pair<T>(b.sc[ob][0], fp16), c4, tb, ag);
@@ -369,8 +393,9 @@ __device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__
 }
 
 // x rows: x + m * in (m < M). ids != nullptr: expert mode (M == 1), token n = blockIdx.y, expert ids[n].
-template <int K, typename T, int MODE>
-__global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
+// NREG: register cap (128 = 2 CTAs of 8 warps / 4 of 4 warps per SM; 96: 5 CTAs of 4 warps; 80: 6 of 4, 3 of 8)
+template <int K, typename T, int MODE, int NREG>
+__global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     const T* __restrict__ x, int M, const uint32_t* __restrict__ packed, const void* __restrict__ absmax, int fp16,
     const float* __restrict__ scale, const float* __restrict__ codebook, const T* __restrict__ bias,
     T* __restrict__ y, int64_t out, int in, int nb, const int64_t* __restrict__ ids, int64_t E, int vec) {
@@ -524,17 +549,40 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
     return (n == 1 || n == 2 || n == 4 || n == 8) ? n : 0;
   }();
   if (w_env) W = w_env;
-  // decode (MODE): 1 = codebook in registers (v6), the default for K <= 4; 0 = the shared-memory pair table (v2), the
-  // only one for K = 5; 2 = hybrid, the first owned block of a step from registers, the second from the table.
-  // KBIT_GEMV_IMPL = table / hybrid overrides for K <= 4 (benchmark knob, read once).
-  static const int impl_env = [] {
-    const char* v = getenv("KBIT_GEMV_IMPL");
-    return v == nullptr ? 1 : v[0] == 't' ? 0 : v[0] == 'h' ? 2 : 1;
+  // decode (MODE): 0 = the shared-memory pair table (v2), 1 = codebook in registers (v6), 2 = hybrid (v6): the first
+  // owned block of a step from registers, the second from the table; and a register cap (NREG) for modes 1 and 2.
+  // Default per K below (chosen from docs/kernels.md runs 10-11). Benchmark knob (read once): KBIT_GEMV_CFG, a comma
+  // list of K=<t|r|h><cap>, e.g. "2=r80,3=r96,4=h96" (t = table; cap 80, 96 or 128), "*=..." for every K <= 4.
+  static const int cfg_env[6] = {-1, -1, -1, -1, -1, -1};
+  static const bool cfg_read = [] {
+    const char* v = getenv("KBIT_GEMV_CFG");
+    int* c = const_cast<int*>(cfg_env);
+    for (; v != nullptr && *v; ++v) {
+      if ((*v == '*' || (*v >= '2' && *v <= '4')) && v[1] == '=') {
+        const char m = v[2];
+        const int mode = m == 't' ? 0 : m == 'r' ? 1 : m == 'h' ? 2 : -1;
+        const int cap = atoi(v + 3);
+        const int code = mode == 0 ? 0 : (mode > 0 && (cap == 80 || cap == 96 || cap == 128)) ? mode * 1000 + cap : -1;
+        for (int k = 2; k <= 4; ++k)
+          if (*v == '*' || *v - '0' == k) c[k] = code;
+      }
+    }
+    return true;
   }();
-  auto kern = gemv_kernel<K, T, 0>;
+  (void)cfg_read;
+  auto kern = gemv_kernel<K, T, 0, 128>;
   if constexpr (K <= 4) {
-    if (impl_env == 1) kern = gemv_kernel<K, T, 1>;
-    if (impl_env == 2) kern = gemv_kernel<K, T, 2>;
+    constexpr int kDefault = K == 4 ? 2128 : 1128;
+    switch (cfg_env[K] >= 0 ? cfg_env[K] : kDefault) {
+      case 0: kern = gemv_kernel<K, T, 0, 128>; break;
+      case 1080: kern = gemv_kernel<K, T, 1, 80>; break;
+      case 1096: kern = gemv_kernel<K, T, 1, 96>; break;
+      case 1128: kern = gemv_kernel<K, T, 1, 128>; break;
+      case 2080: kern = gemv_kernel<K, T, 2, 80>; break;
+      case 2096: kern = gemv_kernel<K, T, 2, 96>; break;
+      case 2128: kern = gemv_kernel<K, T, 2, 128>; break;
+      default: break;
+    }
   }
   kern<<<grid, W * 32, 0, st>>>(reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb,
                                 reinterpret_cast<const T*>(bias), reinterpret_cast<T*>(y), out, (int)in, (int)nb, ids,

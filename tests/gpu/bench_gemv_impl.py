@@ -23,6 +23,7 @@ def main():
     ap.add_argument("--tag", default="")
     ap.add_argument("--tinygemm", action="store_true", help="also time tinygemm int4 g32 (aten._weight_int4pack_mm)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--check", action="store_true", help="first check outputs against a float64 reference")
     ap.add_argument("--compare", nargs="+", default=None, help="print a side-by-side table of JSON files and exit")
     a = ap.parse_args()
     if a.compare:
@@ -40,6 +41,26 @@ def main():
 
     assert cuda.available(), cuda.load_error()
     torch.manual_seed(0)
+    if a.check:
+        from kbit_hf import format as fmt
+
+        worst = 0.0
+        for k in (int(v) for v in a.k.split(",")):
+            for (o, i) in ((40, 4104), (300, 4096), (33, 1000)):
+                cb = fmt.nf_codebook(k).cuda()
+                for af in fmt.ABSMAX_FORMATS:
+                    p, sc_a, s = cuda.quantize(torch.randn(o, i, device="cuda"), cb, k, af)
+                    wref = cuda.dequantize(p, sc_a, s, cb, k, i, torch.float32).double()
+                    for dt in (torch.bfloat16, torch.float16):
+                        for M in (1, 3, 8):
+                            x = torch.randn(M, i, device="cuda", dtype=dt)
+                            y = cuda.linear(x, p, sc_a, s, cb, k, i, None).double()
+                            ref = x.double() @ wref.t()
+                            err = ((y - ref).norm() / ref.norm()).item()
+                            worst = max(worst, err)
+                            if not err < 1e-2:
+                                print(f"[{a.tag}] CHECK FAILED K={k} {o}x{i} {af} {dt} M={M}: rel err {err:.3g}")
+        print(f"[{a.tag}] check: worst relative error {worst:.3g}")
     bw = copy_bandwidth(a.repeats)
     print(f"[{a.tag}] device {torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s")
     rows = []
