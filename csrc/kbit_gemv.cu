@@ -1,26 +1,42 @@
 // kbit_gemv.cu: fused dequantize + GEMV for the decode path (M = 1..8 activation rows, fp16/bf16, fp32 accumulate)
 // on the tensor cores (mma.sync m16n8k16, sm_80+), and the grouped (per-row expert) GEMV used by KbitMoE.
 //
-// v2 design (see docs/kernels.md for the measurements):
+// v6 design (see docs/kernels.md, "GEMV v6", for the measurements):
 // - A CTA owns one tile of 16 output rows (blockIdx.y = token for the expert variant) and W = 4 or 8 warps that
 //   split the input dimension: warp w handles steps w, w + W, ..., a step being 8 consecutive 32-element blocks;
 //   the W partial tiles are summed through shared memory in a fixed order (deterministic, no atomics, no workspace).
 // - The weight tile is the MMA's A operand (16 rows x k16), the activations its B operand (k16 x n8: tokens 0..M-1,
 //   zero past M), fp32 accumulators. The k order inside an MMA is free (A and B only have to agree), so lane
 //   4g + q owns whole blocks: in a step, blocks b0 + q and b0 + 4 + q of rows g and g + 8. It loads their K packed
-//   words itself (one 16-byte load per row and block for K = 4, every packed byte read once, no shuffles), and the
-//   32 activations of the same block for token g (M <= g: zeros).
-// - Decode: for s = 0..3 the K bit planes are folded into one word t_s = OR_j ((w_j >> (2s - 2j)) & (0x03030303 << 2j))
-//   whose byte B is the 2K-bit index of the element pair (8B + 2s, 8B + 2s + 1) (bits 2j / 2j+1 = bit j of the
-//   even / odd element); K = 5 uses two words with 16-bit fields. One LDS.32 per pair reads both weights (a packed
-//   bf16x2 / f16x2) from a per-CTA pair table of 2^(2K) entries built from the codebook at kernel start, replicated
-//   R = 32 times for K <= 3 (lane l reads replica l: conflict-free), 8 times for K = 4, 5. The block scale is
-//   applied to the pair with one HMUL2 (bf16x2 / f16x2), so 16 pairs of one block feed 8 MMAs with no per-block
-//   epilogue.
-// - Numerics: the MMA needs the weights in the activation dtype, so cb is rounded to bf16/fp16, the block scale to
-//   bf16 (exact for e4m4 scales) and the product cb * d once more; for fp16, cb and d are pre-multiplied by 16 each
-//   (the fp16 product cb*d*256 stays normal for every e4m4 scale) and the result multiplied by 2^-8 at the end.
-//   Accumulation is fp32; the result times the per-tensor scale plus bias is rounded to the activation dtype.
+//   words itself (one 16-byte load per row and block for K = 4, every packed byte read once, no shuffles) one step
+//   ahead through pointers that the loop advances, and the 32 activations of the same block for token g at use
+//   (M <= g: zeros).
+// - Decode, three modes (template MODE, picked per K at launch; KBIT_GEMV_CFG overrides, see launch()):
+//   * registers (MODE 1, default for K = 2, 3): the codebook values (times PRE, in the activation dtype) are held
+//     as byte planes in registers (tl[n] / th[n]: low / high bytes of entries 4n..4n+3). A partial 4x4 bit transpose
+//     of planes 0..2 (15 instructions per row-block) gives Q_e (e = 0..3) whose nibble k is the 3-bit index of
+//     element 4k + e (bit 3 clear: PRMT reads it as sign-replicate); nibbles 0..3 / 4..7 (Q_e >> 16) select the group
+//     {e, e+4, e+8, e+12} / 16 + that. Per group: one PRMT over (tl[0], tl[1]) and one over (th[0], th[1]) look up
+//     the 4 low / high bytes (entries 0..7); K = 4 repeats that over entries 8..15 and merges by plane 3 with one
+//     PRMT per byte plane (selector nibble i = i + 4 * bit3 of element i); two PRMTs interleave the bytes into the
+//     bf16x2 / f16x2 pairs (e, e + 4) and (e + 8, e + 12). The activations are paired the same way, one PRMT per
+//     pair from the loaded (2i, 2i+1) words. No shared memory, no L1 traffic for the lookup.
+//   * table (MODE 0, v2, the only mode for K = 5): for s = 0..3 the K bit planes are folded into one word
+//     t_s = OR_j ((w_j >> (2s - 2j)) & (0x03030303 << 2j)) whose byte B is the 2K-bit index of the element pair
+//     (8B + 2s, 8B + 2s + 1); K = 5 uses two words with 16-bit fields. One LDS.32 per pair reads both weights from a
+//     per-CTA pair table of 2^(2K) bf16x2 / f16x2 entries built from the codebook at kernel start, replicated
+//     R = 32 times for K <= 3 (lane l reads replica l: conflict-free), 8 times for K = 4, 5.
+//   * hybrid (MODE 2, default for K = 4): the first owned block of each step through the registers, the second
+//     through the table, which splits the lookup between the integer pipe (PRMT) and the shared-memory pipe (LDS);
+//     it measured faster than either alone for K = 4.
+//   The block scale is applied to each pair with one HMUL2 (bf16x2 / f16x2); e4m4 scales decode exactly as
+//   uint_as_float(code << 19) * 2^116.
+// - Numerics (all modes, bitwise the same weight values as v2): the MMA needs the weights in the activation dtype,
+//   so cb is rounded to bf16/fp16, the block scale to bf16 (exact for e4m4 scales) and the product cb * d once more;
+//   for fp16, cb and d are pre-multiplied by 16 each (the fp16 product cb*d*256 stays normal for every e4m4 scale)
+//   and the result multiplied by 2^-8 at the end. Accumulation is fp32 (the register modes feed the MMA k slots in
+//   another element order than v2, so the fp32 sums may round differently); the result times the per-tensor scale
+//   plus bias is rounded to the activation dtype.
 #include "kbit_api.h"
 #include "kbit_common.cuh"
 
@@ -529,6 +545,25 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
   }
 }
 
+// KBIT_GEMV_CFG parser: code[K] = -1 (default), 0 (table) or mode * 1000 + cap (mode 1 = registers, 2 = hybrid)
+struct GemvCfg {
+  int code[6];
+};
+inline GemvCfg parse_gemv_cfg(const char* v) {
+  GemvCfg c = {{-1, -1, -1, -1, -1, -1}};
+  for (; v != nullptr && *v; ++v) {
+    if ((*v == '*' || (*v >= '2' && *v <= '4')) && v[1] == '=') {
+      const char m = v[2];
+      const int mode = m == 't' ? 0 : m == 'r' ? 1 : m == 'h' ? 2 : -1;
+      const int cap = mode > 0 ? atoi(v + 3) : 0;
+      const int code = mode == 0 ? 0 : (mode > 0 && (cap == 80 || cap == 96 || cap == 128)) ? mode * 1000 + cap : -1;
+      for (int k = 2; k <= 4; ++k)
+        if (*v == '*' || *v - '0' == k) c.code[k] = code;
+    }
+  }
+  return c;
+}
+
 template <int K, typename T>
 int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, const uint32_t* packed,
            const void* absmax, int fp16, const float* scale, const float* cb, int64_t out, int64_t in,
@@ -551,29 +586,16 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
   if (w_env) W = w_env;
   // decode (MODE): 0 = the shared-memory pair table (v2), 1 = codebook in registers (v6), 2 = hybrid (v6): the first
   // owned block of a step from registers, the second from the table; and a register cap (NREG) for modes 1 and 2.
-  // Default per K below (chosen from docs/kernels.md runs 10-11). Benchmark knob (read once): KBIT_GEMV_CFG, a comma
-  // list of K=<t|r|h><cap>, e.g. "2=r80,3=r96,4=h96" (t = table; cap 80, 96 or 128), "*=..." for every K <= 4.
-  static const int cfg_env[6] = {-1, -1, -1, -1, -1, -1};
-  static const bool cfg_read = [] {
-    const char* v = getenv("KBIT_GEMV_CFG");
-    int* c = const_cast<int*>(cfg_env);
-    for (; v != nullptr && *v; ++v) {
-      if ((*v == '*' || (*v >= '2' && *v <= '4')) && v[1] == '=') {
-        const char m = v[2];
-        const int mode = m == 't' ? 0 : m == 'r' ? 1 : m == 'h' ? 2 : -1;
-        const int cap = atoi(v + 3);
-        const int code = mode == 0 ? 0 : (mode > 0 && (cap == 80 || cap == 96 || cap == 128)) ? mode * 1000 + cap : -1;
-        for (int k = 2; k <= 4; ++k)
-          if (*v == '*' || *v - '0' == k) c[k] = code;
-      }
-    }
-    return true;
-  }();
-  (void)cfg_read;
+  // Defaults (docs/kernels.md run 10): K = 2, 3 registers, K = 4 hybrid, K = 5 table, cap 128 (= v2's
+  // __launch_bounds__(256, 2)). Benchmark knob (read once): KBIT_GEMV_CFG, a comma list of K=<t|r|h><cap>, e.g.
+  // "2=r80,3=r96,4=h96" (t = table; cap 80, 96 or 128), "*=..." for every K <= 4. The caps 80 / 96 are built (ptxas:
+  // no or few spills for K = 2, 3; 8 / 80 bytes for K = 4) but were never timed on a GPU (run 11 crashed in this
+  // knob's first parser, since fixed and checked on the host only).
+  static const GemvCfg cfg_env = parse_gemv_cfg(getenv("KBIT_GEMV_CFG"));
   auto kern = gemv_kernel<K, T, 0, 128>;
   if constexpr (K <= 4) {
     constexpr int kDefault = K == 4 ? 2128 : 1128;
-    switch (cfg_env[K] >= 0 ? cfg_env[K] : kDefault) {
+    switch (cfg_env.code[K] >= 0 ? cfg_env.code[K] : kDefault) {
       case 0: kern = gemv_kernel<K, T, 0, 128>; break;
       case 1080: kern = gemv_kernel<K, T, 1, 80>; break;
       case 1096: kern = gemv_kernel<K, T, 1, 96>; break;
