@@ -1,26 +1,42 @@
 // kbit_gemv.cu: fused dequantize + GEMV for the decode path (M = 1..8 activation rows, fp16/bf16, fp32 accumulate)
 // on the tensor cores (mma.sync m16n8k16, sm_80+), and the grouped (per-row expert) GEMV used by KbitMoE.
 //
-// v2 design (see docs/kernels.md for the measurements):
+// v6 design (see docs/kernels.md, "GEMV v6", for the measurements):
 // - A CTA owns one tile of 16 output rows (blockIdx.y = token for the expert variant) and W = 4 or 8 warps that
 //   split the input dimension: warp w handles steps w, w + W, ..., a step being 8 consecutive 32-element blocks;
 //   the W partial tiles are summed through shared memory in a fixed order (deterministic, no atomics, no workspace).
 // - The weight tile is the MMA's A operand (16 rows x k16), the activations its B operand (k16 x n8: tokens 0..M-1,
 //   zero past M), fp32 accumulators. The k order inside an MMA is free (A and B only have to agree), so lane
 //   4g + q owns whole blocks: in a step, blocks b0 + q and b0 + 4 + q of rows g and g + 8. It loads their K packed
-//   words itself (one 16-byte load per row and block for K = 4, every packed byte read once, no shuffles), and the
-//   32 activations of the same block for token g (M <= g: zeros).
-// - Decode: for s = 0..3 the K bit planes are folded into one word t_s = OR_j ((w_j >> (2s - 2j)) & (0x03030303 << 2j))
-//   whose byte B is the 2K-bit index of the element pair (8B + 2s, 8B + 2s + 1) (bits 2j / 2j+1 = bit j of the
-//   even / odd element); K = 5 uses two words with 16-bit fields. One LDS.32 per pair reads both weights (a packed
-//   bf16x2 / f16x2) from a per-CTA pair table of 2^(2K) entries built from the codebook at kernel start, replicated
-//   R = 32 times for K <= 3 (lane l reads replica l: conflict-free), 8 times for K = 4, 5. The block scale is
-//   applied to the pair with one HMUL2 (bf16x2 / f16x2), so 16 pairs of one block feed 8 MMAs with no per-block
-//   epilogue.
-// - Numerics: the MMA needs the weights in the activation dtype, so cb is rounded to bf16/fp16, the block scale to
-//   bf16 (exact for e4m4 scales) and the product cb * d once more; for fp16, cb and d are pre-multiplied by 16 each
-//   (the fp16 product cb*d*256 stays normal for every e4m4 scale) and the result multiplied by 2^-8 at the end.
-//   Accumulation is fp32; the result times the per-tensor scale plus bias is rounded to the activation dtype.
+//   words itself (one 16-byte load per row and block for K = 4, every packed byte read once, no shuffles) one step
+//   ahead through pointers that the loop advances, and the 32 activations of the same block for token g at use
+//   (M <= g: zeros).
+// - Decode, three modes (template MODE, picked per K at launch; KBIT_GEMV_CFG overrides, see launch()):
+//   * registers (MODE 1, default for K = 2, 3): the codebook values (times PRE, in the activation dtype) are held
+//     as byte planes in registers (tl[n] / th[n]: low / high bytes of entries 4n..4n+3). A partial 4x4 bit transpose
+//     of planes 0..2 (15 instructions per row-block) gives Q_e (e = 0..3) whose nibble k is the 3-bit index of
+//     element 4k + e (bit 3 clear: PRMT reads it as sign-replicate); nibbles 0..3 / 4..7 (Q_e >> 16) select the group
+//     {e, e+4, e+8, e+12} / 16 + that. Per group: one PRMT over (tl[0], tl[1]) and one over (th[0], th[1]) look up
+//     the 4 low / high bytes (entries 0..7); K = 4 repeats that over entries 8..15 and merges by plane 3 with one
+//     PRMT per byte plane (selector nibble i = i + 4 * bit3 of element i); two PRMTs interleave the bytes into the
+//     bf16x2 / f16x2 pairs (e, e + 4) and (e + 8, e + 12). The activations are paired the same way, one PRMT per
+//     pair from the loaded (2i, 2i+1) words. No shared memory, no L1 traffic for the lookup.
+//   * table (MODE 0, v2, the only mode for K = 5): for s = 0..3 the K bit planes are folded into one word
+//     t_s = OR_j ((w_j >> (2s - 2j)) & (0x03030303 << 2j)) whose byte B is the 2K-bit index of the element pair
+//     (8B + 2s, 8B + 2s + 1); K = 5 uses two words with 16-bit fields. One LDS.32 per pair reads both weights from a
+//     per-CTA pair table of 2^(2K) bf16x2 / f16x2 entries built from the codebook at kernel start, replicated
+//     R = 32 times for K <= 3 (lane l reads replica l: conflict-free), 8 times for K = 4, 5.
+//   * hybrid (MODE 2, default for K = 4): the first owned block of each step through the registers, the second
+//     through the table, which splits the lookup between the integer pipe (PRMT) and the shared-memory pipe (LDS);
+//     it measured faster than either alone for K = 4.
+//   The block scale is applied to each pair with one HMUL2 (bf16x2 / f16x2); e4m4 scales decode exactly as
+//   uint_as_float(code << 19) * 2^116.
+// - Numerics (all modes, bitwise the same weight values as v2): the MMA needs the weights in the activation dtype,
+//   so cb is rounded to bf16/fp16, the block scale to bf16 (exact for e4m4 scales) and the product cb * d once more;
+//   for fp16, cb and d are pre-multiplied by 16 each (the fp16 product cb*d*256 stays normal for every e4m4 scale)
+//   and the result multiplied by 2^-8 at the end. Accumulation is fp32 (the register modes feed the MMA k slots in
+//   another element order than v2, so the fp32 sums may round differently); the result times the per-tensor scale
+//   plus bias is rounded to the activation dtype.
 #include "kbit_api.h"
 #include "kbit_common.cuh"
 
@@ -140,15 +156,105 @@ __device__ __forceinline__ void decode_block(const uint32_t (&w)[5], uint32_t d2
   }
 }
 
-// Packed words and scale of one row-block. CHECK: blocks at or past nb give zeros.
-template <int K, bool CHECK>
-__device__ __forceinline__ void load_block(const uint32_t* __restrict__ wrow, const void* __restrict__ arow, int fp16,
-                                           int blk, int nb, uint32_t (&w)[5], uint32_t& sc) {
+// ---- v6: codebook lookup in registers (K = 2, 3, 4) ----
+// PRMT (byte permute). Selector nibbles must have bit 3 clear (PRMT's sign-replicate mode); only bits 0..15 count.
+__host__ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
+#ifdef __CUDA_ARCH__
+  // inline PTX, not __byte_perm: the intrinsic is defined on 3-bit selector nibbles, so the compiler masks every
+  // non-constant selector with 0x7777 first (one LOP3 per lookup)
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
+  return r;
+#else
+  const uint64_t v = ((uint64_t)b << 32) | a;
+  uint32_t r = 0;
+  for (int n = 0; n < 4; ++n) r |= (uint32_t)((v >> (8 * ((s >> (4 * n)) & 7u))) & 0xFFu) << (8 * n);
+  return r;
+#endif
+}
+
+// x >> N as a multiply-high (IMAD.HI on the FMA pipe instead of SHF on the integer pipe, which the PRMTs fill)
+template <int N>
+__host__ __device__ __forceinline__ uint32_t shr_hi(uint32_t x) {
+#ifdef __CUDA_ARCH__
+  uint32_t r;
+  asm("mul.hi.u32 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(1u << (32 - N)));
+  return r;
+#else
+  return x >> N;
+#endif
+}
+
+__host__ __device__ __forceinline__ uint32_t bsel(uint32_t m, uint32_t a, uint32_t b) { return (a & m) | (b & ~m); }
+
+// Codebook values (times PRE, rounded to the activation dtype) as byte planes: tl[n] byte b = low byte of entry
+// 4n + b, th[n] the high bytes (entries 0..2^K-1; K = 2 uses tl[0] / th[0] only).
+// Decode one row-block (K planes w) to 16 packed weight pairs, unscaled. Output order: a[8h + 2e + t] holds the
+// elements (16h + e + 8t, 16h + e + 8t + 4), e = 0..3, h, t = 0..1 (low half = the first element).
+//   Q_e (e = 0..3): nibble k = bits 0..2 (planes 0..2) of element 4k + e's index, bit 3 zero (a partial 4x4 bit
+//   transpose: 2 interleave steps, 15 instructions for all four words). Nibbles 0..3 select elements e, e+4, e+8,
+//   e+12, nibbles 4..7 (Q_e >> 16) elements 16 + those. One PRMT over (tl[0], tl[1]) looks up the four low bytes
+//   of entries 0..7, one over (th[0], th[1]) the high bytes; K = 4 does the same over entries 8..15 (tl[2], tl[3])
+//   and merges by plane 3 with one more PRMT per byte plane (selector nibble i = i + 4 * bit3). Two PRMTs
+//   interleave low and high bytes into the two bf16x2 / f16x2 words.
+// selectors of one row-block: Q[e] (lookup, planes 0..2) and, for K = 4, m[e] (merge by plane 3)
+template <int K>
+__host__ __device__ __forceinline__ void reg_selectors(const uint32_t (&w)[5], uint32_t (&Q)[4], uint32_t (&m)[4]) {
+  const uint32_t D = bsel(0x55555555u, w[0], w[1] << 1);          // bit 2m: w0[2m], 2m+1: w1[2m]
+  const uint32_t Dp = bsel(0x55555555u, shr_hi<1>(w[0]), w[1]);  // bit 2m: w0[2m+1], 2m+1: w1[2m+1]
+  const uint32_t ev = w[2] & 0x55555555u, od = w[2] & 0xAAAAAAAAu;
+  Q[0] = bsel(0x33333333u, D, ev << 2);
+  Q[1] = bsel(0x33333333u, Dp, od << 1);
+  Q[2] = bsel(0x33333333u, shr_hi<2>(D), ev);
+  Q[3] = bsel(0x33333333u, shr_hi<2>(Dp), shr_hi<1>(od));
 #pragma unroll
-  for (int j = 0; j < 5; ++j) w[j] = 0u;
-  sc = 0u;
-  if (CHECK && blk >= nb) return;
-  const uint32_t* p = wrow + blk * K;
+  for (int e = 0; e < 4; ++e) {
+    m[e] = 0u;
+    if constexpr (K == 4) {
+      // merge selector: nibble i = i + 4 * (plane-3 bit of element e + 4i)
+      const uint32_t v = e <= 2 ? (w[3] << (2 - e)) : shr_hi<1>(w[3]);
+#ifdef __CUDA_ARCH__
+      asm("lop3.b32 %0, %1, 0x44444444, %2, 0xEA;" : "=r"(m[e]) : "r"(v), "r"(0x32103210u));  // (v & 0x4444..) | c
+#else
+      m[e] = (v & 0x44444444u) | 0x32103210u;
+#endif
+    }
+  }
+}
+
+// group (h, e) of one row-block: a0 = elements (16h + e, 16h + e + 4), a1 = (16h + e + 8, 16h + e + 12), unscaled
+template <int K, int H>
+__host__ __device__ __forceinline__ void reg_group(uint32_t Qe, uint32_t me, const uint32_t (&tl)[4],
+                                                   const uint32_t (&th)[4], uint32_t& a0, uint32_t& a1) {
+  constexpr int T1 = K >= 3 ? 1 : 0;  // second table register for entries 4..7
+  const uint32_t s = H ? shr_hi<16>(Qe) : Qe;
+  uint32_t lo = prmt(tl[0], tl[T1], s), hi = prmt(th[0], th[T1], s);
+  if constexpr (K == 4) {
+    const uint32_t mh = H ? shr_hi<16>(me) : me;
+    lo = prmt(lo, prmt(tl[2], tl[3], s), mh);
+    hi = prmt(hi, prmt(th[2], th[3], s), mh);
+  }
+  a0 = prmt(lo, hi, 0x5140u);
+  a1 = prmt(lo, hi, 0x7362u);
+}
+
+// whole row-block (host self-test): a[8h + 2e + t] = elements (16h + e + 8t, 16h + e + 8t + 4)
+// K = 5 instantiates the register path (modes are run-time constants per kernel) but never runs it: it uses mode 0
+template <int K>
+__host__ __device__ __forceinline__ void decode_reg(const uint32_t (&w)[5], const uint32_t (&tl)[4],
+                                                    const uint32_t (&th)[4], uint32_t (&a)[16]) {
+  uint32_t Q[4], m[4];
+  reg_selectors<K>(w, Q, m);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    reg_group<K, 0>(Q[e], m[e], tl, th, a[2 * e], a[2 * e + 1]);
+    reg_group<K, 1>(Q[e], m[e], tl, th, a[8 + 2 * e], a[8 + 2 * e + 1]);
+  }
+}
+
+// the K packed words of one row-block (streamed: read once)
+template <int K>
+__device__ __forceinline__ void load_words(const uint32_t* __restrict__ p, uint32_t (&w)[5]) {
   if constexpr (K == 4) {
     const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p));
     w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
@@ -159,8 +265,21 @@ __device__ __forceinline__ void load_block(const uint32_t* __restrict__ wrow, co
 #pragma unroll
     for (int j = 0; j < K; ++j) w[j] = __ldcs(p + j);
   }
-  if (fp16) sc = __ldcs(reinterpret_cast<const unsigned short*>(arow) + blk);
-  else sc = __ldcs(reinterpret_cast<const unsigned char*>(arow) + blk);
+}
+
+// Packed words and scale of one row-block. CHECK: blocks at or past nb give zeros. ow / oa: the row's offset (words /
+// scale elements) from the CTA's base pointers wb / ab; 32 bits suffice: 16 rows of at most 5 * 2^25 words.
+template <int K, bool CHECK>
+__device__ __forceinline__ void load_block(const uint32_t* __restrict__ wb, uint32_t ow, const void* __restrict__ ab,
+                                           uint32_t oa, int fp16, int blk, int nb, uint32_t (&w)[5], uint32_t& sc) {
+#pragma unroll
+  for (int j = 0; j < 5; ++j) w[j] = 0u;
+  sc = 0u;
+  if (CHECK && blk >= nb) return;
+  load_words<K>(wb + (ow + (uint32_t)blk * K), w);
+  const uint32_t ia = oa + (uint32_t)blk;
+  if (fp16) sc = __ldcs(reinterpret_cast<const unsigned short*>(ab) + ia);
+  else sc = __ldcs(reinterpret_cast<const unsigned char*>(ab) + ia);
 }
 
 // block scale code -> d * PRE as a packed pair in the activation dtype
@@ -205,46 +324,99 @@ struct Buf {
 };
 
 template <int K, bool CHECK>
-__device__ __forceinline__ void load_step(Buf& b, const uint32_t* __restrict__ w0, const uint32_t* __restrict__ w1,
-                                          const void* __restrict__ a0, const void* __restrict__ a1, int fp16, int b0,
+__device__ __forceinline__ void load_step(Buf& b, const uint32_t* __restrict__ wb, uint32_t ow0, uint32_t ow1,
+                                          const void* __restrict__ ab, uint32_t oa0, uint32_t oa1, int fp16, int b0,
                                           int q, int nb) {
 #pragma unroll
   for (int ob = 0; ob < 2; ++ob) {
     const int blk = b0 + q + 4 * ob;
-    load_block<K, CHECK>(w0, a0, fp16, blk, nb, b.w[ob][0], b.sc[ob][0]);
-    load_block<K, CHECK>(w1, a1, fp16, blk, nb, b.w[ob][1], b.sc[ob][1]);
+    load_block<K, CHECK>(wb, ow0, ab, oa0, fp16, blk, nb, b.w[ob][0], b.sc[ob][0]);
+    load_block<K, CHECK>(wb, ow1, ab, oa1, fp16, blk, nb, b.w[ob][1], b.sc[ob][1]);
   }
 }
 
-template <int K, typename T, bool CHECK>
-__device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__ xr, bool xon, int fp16, int b0, int q,
-                                             int nb, int in, uint32_t c4, const char* tb, float (&acc)[4]) {
+// main-loop loads of one step (no bounds checks) through pointers that the loop advances: w0 / w1 point at the first
+// owned block (b0 + q) of rows g / g + 8, a0 / a1 at its block scale (bytes; 2 per scale when fp16)
+template <int K>
+__device__ __forceinline__ void load_step_p(Buf& b, const uint32_t* __restrict__ w0, const uint32_t* __restrict__ w1,
+                                            const unsigned char* __restrict__ a0,
+                                            const unsigned char* __restrict__ a1, int fp16) {
+#pragma unroll
+  for (int ob = 0; ob < 2; ++ob) {
+#pragma unroll
+    for (int j = 0; j < 5; ++j) b.w[ob][0][j] = b.w[ob][1][j] = 0u;
+    load_words<K>(w0 + 4 * K * ob, b.w[ob][0]);
+    load_words<K>(w1 + 4 * K * ob, b.w[ob][1]);
+    if (fp16) {
+      b.sc[ob][0] = __ldcs(reinterpret_cast<const unsigned short*>(a0) + 4 * ob);
+      b.sc[ob][1] = __ldcs(reinterpret_cast<const unsigned short*>(a1) + 4 * ob);
+    } else {
+      b.sc[ob][0] = __ldcs(a0 + 4 * ob);
+      b.sc[ob][1] = __ldcs(a1 + 4 * ob);
+    }
+  }
+}
+
+// xq (main loop only, !CHECK): the activations of block b0 + q of token g; CHECK: xr (row of token g) and blk
+template <int K, typename T, bool CHECK, int MODE>
+__device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__ xr, const T* __restrict__ xq, bool xon,
+                                             int fp16, int b0, int q, int nb, int in, uint32_t c4, const char* tb,
+                                             const uint32_t (&tl)[4], const uint32_t (&th)[4], float (&acc)[4]) {
 #pragma unroll
   for (int ob = 0; ob < 2; ++ob) {
     const int blk = b0 + q + 4 * ob;
     uint32_t xw[16];
-    load_x<T, CHECK>(xr, xon && (!CHECK || blk < nb), blk, in, xw);
+    if constexpr (CHECK) load_x<T, true>(xr, xon && blk < nb, blk, in, xw);
+    else load_x<T, false>(xq, xon, 4 * ob, in, xw);
     uint32_t ag[16], ah[16];
-    decode_block<K, T>(b.w[ob][0], scale_pair<T>(b.sc[ob][0], fp16), c4, tb, ag);
-    decode_block<K, T>(b.w[ob][1], scale_pair<T>(b.sc[ob][1], fp16), c4, tb, ah);
+    if (MODE == 1 || (MODE == 2 && ob == 0)) {  // constant after unrolling
+      // weights come as pairs (e, e + 4) (see decode_reg): pair the activations the same way
+      // selectors first, then each group is looked up right before its MMA (fewer live registers)
+      uint32_t Qg[4], mg[4], Qh[4], mh[4];
+      reg_selectors<K>(b.w[ob][0], Qg, mg);
+      reg_selectors<K>(b.w[ob][1], Qh, mh);
+      const uint32_t dg = scale_pair<T>(b.sc[ob][0], fp16), dh = scale_pair<T>(b.sc[ob][1], fp16);
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const int lo = 8 * h + s, hi = lo + 4;
-        Mma<T>::run(acc, ag[lo], ah[lo], ag[hi], ah[hi], xw[lo], xw[hi]);
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int i0 = 8 * h + (e >> 1);
+          const uint32_t sel = (e & 1) ? 0x7632u : 0x5410u;
+          const uint32_t x0 = prmt(xw[i0], xw[i0 + 2], sel), x1 = prmt(xw[i0 + 4], xw[i0 + 6], sel);
+          uint32_t g0, g1, h0, h1;
+          if (h == 0) {
+            reg_group<K, 0>(Qg[e], mg[e], tl, th, g0, g1);
+            reg_group<K, 0>(Qh[e], mh[e], tl, th, h0, h1);
+          } else {
+            reg_group<K, 1>(Qg[e], mg[e], tl, th, g0, g1);
+            reg_group<K, 1>(Qh[e], mh[e], tl, th, h0, h1);
+          }
+          Mma<T>::run(acc, Mma<T>::mul2(g0, dg), Mma<T>::mul2(h0, dh), Mma<T>::mul2(g1, dg), Mma<T>::mul2(h1, dh),
+                      x0, x1);
+        }
+    } else {
+      decode_block<K, T>(b.w[ob][0], scale_pair<T>(b.sc[ob][0], fp16), c4, tb, ag);
+      decode_block<K, T>(b.w[ob][1], scale_pair<T>(b.sc[ob][1], fp16), c4, tb, ah);
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const int lo = 8 * h + s, hi = lo + 4;
+          Mma<T>::run(acc, ag[lo], ah[lo], ag[hi], ah[hi], xw[lo], xw[hi]);
+        }
+    }
   }
 }
 
 // x rows: x + m * in (m < M). ids != nullptr: expert mode (M == 1), token n = blockIdx.y, expert ids[n].
-template <int K, typename T>
-__global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
+// NREG: register cap (128 = 2 CTAs of 8 warps / 4 of 4 warps per SM; 96: 5 CTAs of 4 warps; 80: 6 of 4, 3 of 8)
+template <int K, typename T, int MODE, int NREG>
+__global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     const T* __restrict__ x, int M, const uint32_t* __restrict__ packed, const void* __restrict__ absmax, int fp16,
     const float* __restrict__ scale, const float* __restrict__ codebook, const T* __restrict__ bias,
     T* __restrict__ y, int64_t out, int in, int nb, const int64_t* __restrict__ ids, int64_t E, int vec) {
   using C = Cfg<K>;
-  __shared__ __align__(16) uint32_t tbl[C::WORDS];
+  __shared__ __align__(16) uint32_t tbl[MODE == 1 ? 4 : C::WORDS];  // pair table (modes 0, 2)
   __shared__ float red[MAX_WARPS][4][32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
   const int64_t o0 = (int64_t)blockIdx.x * TILE;
@@ -266,14 +438,17 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
   const uint32_t c4 = (uint32_t)(lane & (C::R - 1)) * 4u;
   const char* tb = reinterpret_cast<const char*>(tbl);
   // rows g and g + 8 of the tile, clamped into the matrix (rows past `out` compute garbage that is never written)
-  const int64_t r0 = e * out + (o0 + g < out ? o0 + g : out - 1);
-  const int64_t r1 = e * out + (o0 + g + 8 < out ? o0 + g + 8 : out - 1);
+  // rows g and g + 8 of the tile, clamped into the matrix (rows past `out` compute garbage that is never written),
+  // as 32-bit offsets from the tile's first row
+  const int64_t rb = e * out + o0;
+  const uint32_t d0 = (uint32_t)((o0 + g < out ? o0 + g : out - 1) - o0);
+  const uint32_t d1 = (uint32_t)((o0 + g + 8 < out ? o0 + g + 8 : out - 1) - o0);
   const int64_t rw = (int64_t)nb * K;
-  const uint32_t* __restrict__ w0 = packed + r0 * rw;
-  const uint32_t* __restrict__ w1 = packed + r1 * rw;
+  const uint32_t* __restrict__ wb = packed + rb * rw;
+  const uint32_t ow0 = d0 * (uint32_t)rw, ow1 = d1 * (uint32_t)rw;
   const int as = fp16 ? 2 : 1;
-  const void* a0 = reinterpret_cast<const char*>(absmax) + r0 * nb * as;
-  const void* a1 = reinterpret_cast<const char*>(absmax) + r1 * nb * as;
+  const void* ab = reinterpret_cast<const char*>(absmax) + rb * nb * as;
+  const uint32_t oa0 = d0 * (uint32_t)nb, oa1 = d1 * (uint32_t)nb;
   const bool xon = g < M;
   const T* xg = xr + (int64_t)(xon ? g : 0) * in;
 
@@ -282,41 +457,68 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
   const int nfs = vec ? (in / BLOCK) / STEP : 0;
   int st = warp;
   Buf cur;
-  if (st < nfs) load_step<K, false>(cur, w0, w1, a0, a1, fp16, st * STEP, q, nb);
-  // pair table: entry P holds (cb[i0], cb[i1]) * PRE, i0 / i1 = the even / odd bits of P, in R replicas
-  for (int p = tid; p < C::NP; p += blockDim.x) {
-    uint32_t i0 = 0, i1 = 0;
+  // main-loop pointers, at step st's first owned block
+  const int64_t boff = (int64_t)st * STEP + q;
+  const uint32_t* __restrict__ pw0 = wb + ow0 + boff * K;
+  const uint32_t* __restrict__ pw1 = wb + ow1 + boff * K;
+  const unsigned char* __restrict__ pa0 = reinterpret_cast<const unsigned char*>(ab) + ((int64_t)oa0 + boff) * as;
+  const unsigned char* __restrict__ pa1 = reinterpret_cast<const unsigned char*>(ab) + ((int64_t)oa1 + boff) * as;
+  const T* __restrict__ xq = xg + boff * BLOCK;
+  const int64_t dw = (int64_t)W * STEP * K, da = (int64_t)W * STEP * as, dx = (int64_t)W * STEP * BLOCK;
+  if (st < nfs) {
+    load_step_p<K>(cur, pw0, pw1, pa0, pa1, fp16);
+    pw0 += dw; pw1 += dw; pa0 += da; pa1 += da;
+  }
+  uint32_t tl[4] = {0u, 0u, 0u, 0u}, th[4] = {0u, 0u, 0u, 0u};
+  if constexpr (MODE != 0) {
+    // codebook (times PRE, in the activation dtype) as byte planes in registers: tl[n] / th[n] byte b = low / high
+    // byte of entry 4n + b
 #pragma unroll
-    for (int j = 0; j < K; ++j) {
-      i0 |= ((p >> (2 * j)) & 1u) << j;
-      i1 |= ((p >> (2 * j + 1)) & 1u) << j;
-    }
-    const uint32_t v = Mma<T>::pack(__ldg(codebook + i0) * Mma<T>::PRE, __ldg(codebook + i1) * Mma<T>::PRE);
-    if constexpr (C::R >= 4) {
-#pragma unroll
-      for (int r = 0; r < C::R; r += 4) *reinterpret_cast<uint4*>(&tbl[p * C::R + r]) = make_uint4(v, v, v, v);
-    } else {
-#pragma unroll
-      for (int r = 0; r < C::R; ++r) tbl[p * C::R + r] = v;
+    for (int i = 0; i < (1 << K); ++i) {
+      const uint32_t v = Mma<T>::pack(__ldg(codebook + i) * Mma<T>::PRE, 0.f) & 0xFFFFu;
+      tl[i >> 2] |= (v & 0xFFu) << (8 * (i & 3));
+      th[i >> 2] |= (v >> 8) << (8 * (i & 3));
     }
   }
-  __syncthreads();
-
+  if constexpr (MODE != 1) {
+    // pair table: entry P holds (cb[i0], cb[i1]) * PRE, i0 / i1 = the even / odd bits of P, in R replicas
+    for (int p = tid; p < C::NP; p += blockDim.x) {
+      uint32_t i0 = 0, i1 = 0;
+#pragma unroll
+      for (int j = 0; j < K; ++j) {
+        i0 |= ((p >> (2 * j)) & 1u) << j;
+        i1 |= ((p >> (2 * j + 1)) & 1u) << j;
+      }
+      const uint32_t v = Mma<T>::pack(__ldg(codebook + i0) * Mma<T>::PRE, __ldg(codebook + i1) * Mma<T>::PRE);
+      if constexpr (C::R >= 4) {
+#pragma unroll
+        for (int r = 0; r < C::R; r += 4) *reinterpret_cast<uint4*>(&tbl[p * C::R + r]) = make_uint4(v, v, v, v);
+      } else {
+#pragma unroll
+        for (int r = 0; r < C::R; ++r) tbl[p * C::R + r] = v;
+      }
+    }
+    __syncthreads();
+  }
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   if (st < nfs) {
 #pragma unroll 1
     for (; st < nfs; st += W) {
       Buf nxt;
-      if (st + W < nfs) load_step<K, false>(nxt, w0, w1, a0, a1, fp16, (st + W) * STEP, q, nb);
-      compute_step<K, T, false>(cur, xg, xon, fp16, st * STEP, q, nb, in, c4, tb, acc);
+      if (st + W < nfs) {
+        load_step_p<K>(nxt, pw0, pw1, pa0, pa1, fp16);
+        pw0 += dw; pw1 += dw; pa0 += da; pa1 += da;
+      }
+      compute_step<K, T, false, MODE>(cur, xg, xq, xon, fp16, st * STEP, q, nb, in, c4, tb, tl, th, acc);
+      xq += dx;
       cur = nxt;
     }
   }
   // the remaining blocks (fewer than 8, or all of them when x is not vector-loadable): checked, strided over warps
   for (int s2 = nfs + warp; s2 * STEP < nb; s2 += W) {
-    Buf tl;
-    load_step<K, true>(tl, w0, w1, a0, a1, fp16, s2 * STEP, q, nb);
-    compute_step<K, T, true>(tl, xg, xon, fp16, s2 * STEP, q, nb, in, c4, tb, acc);
+    Buf tb2;
+    load_step<K, true>(tb2, wb, ow0, ow1, ab, oa0, oa1, fp16, s2 * STEP, q, nb);
+    compute_step<K, T, true, MODE>(tb2, xg, xg, xon, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th, acc);
   }
 
   // reduce the W warps' tiles in a fixed order
@@ -343,6 +545,25 @@ __global__ void __launch_bounds__(MAX_WARPS * 32, 2) gemv_kernel(
   }
 }
 
+// KBIT_GEMV_CFG parser: code[K] = -1 (default), 0 (table) or mode * 1000 + cap (mode 1 = registers, 2 = hybrid)
+struct GemvCfg {
+  int code[6];
+};
+inline GemvCfg parse_gemv_cfg(const char* v) {
+  GemvCfg c = {{-1, -1, -1, -1, -1, -1}};
+  for (; v != nullptr && *v; ++v) {
+    if ((*v == '*' || (*v >= '2' && *v <= '4')) && v[1] == '=') {
+      const char m = v[2];
+      const int mode = m == 't' ? 0 : m == 'r' ? 1 : m == 'h' ? 2 : -1;
+      const int cap = mode > 0 ? atoi(v + 3) : 0;
+      const int code = mode == 0 ? 0 : (mode > 0 && (cap == 80 || cap == 96 || cap == 128)) ? mode * 1000 + cap : -1;
+      for (int k = 2; k <= 4; ++k)
+        if (*v == '*' || *v - '0' == k) c.code[k] = code;
+    }
+  }
+  return c;
+}
+
 template <int K, typename T>
 int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, const uint32_t* packed,
            const void* absmax, int fp16, const float* scale, const float* cb, int64_t out, int64_t in,
@@ -363,9 +584,31 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
     return (n == 1 || n == 2 || n == 4 || n == 8) ? n : 0;
   }();
   if (w_env) W = w_env;
-  gemv_kernel<K, T><<<grid, W * 32, 0, st>>>(reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb,
-                                             reinterpret_cast<const T*>(bias), reinterpret_cast<T*>(y), out, (int)in,
-                                             (int)nb, ids, E, vec);
+  // decode (MODE): 0 = the shared-memory pair table (v2), 1 = codebook in registers (v6), 2 = hybrid (v6): the first
+  // owned block of a step from registers, the second from the table; and a register cap (NREG) for modes 1 and 2.
+  // Defaults (docs/kernels.md run 10): K = 2, 3 registers, K = 4 hybrid, K = 5 table, cap 128 (= v2's
+  // __launch_bounds__(256, 2)). Benchmark knob (read once): KBIT_GEMV_CFG, a comma list of K=<t|r|h><cap>, e.g.
+  // "2=r80,3=r96,4=h96" (t = table; cap 80, 96 or 128), "*=..." for every K <= 4. The caps 80 / 96 are built (ptxas:
+  // no or few spills for K = 2, 3; 8 / 80 bytes for K = 4) but were never timed on a GPU (run 11 crashed in this
+  // knob's first parser, since fixed and checked on the host only).
+  static const GemvCfg cfg_env = parse_gemv_cfg(getenv("KBIT_GEMV_CFG"));
+  auto kern = gemv_kernel<K, T, 0, 128>;
+  if constexpr (K <= 4) {
+    constexpr int kDefault = K == 4 ? 2128 : 1128;
+    switch (cfg_env.code[K] >= 0 ? cfg_env.code[K] : kDefault) {
+      case 0: kern = gemv_kernel<K, T, 0, 128>; break;
+      case 1080: kern = gemv_kernel<K, T, 1, 80>; break;
+      case 1096: kern = gemv_kernel<K, T, 1, 96>; break;
+      case 1128: kern = gemv_kernel<K, T, 1, 128>; break;
+      case 2080: kern = gemv_kernel<K, T, 2, 80>; break;
+      case 2096: kern = gemv_kernel<K, T, 2, 96>; break;
+      case 2128: kern = gemv_kernel<K, T, 2, 128>; break;
+      default: break;
+    }
+  }
+  kern<<<grid, W * 32, 0, st>>>(reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb,
+                                reinterpret_cast<const T*>(bias), reinterpret_cast<T*>(y), out, (int)in, (int)nb, ids,
+                                E, vec);
   return (int)cudaGetLastError();
 }
 
