@@ -588,9 +588,9 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
   // owned block of a step from registers, the second from the table; and a register cap (NREG) for modes 1 and 2.
   // Defaults (docs/kernels.md run 10): K = 2, 3 registers, K = 4 hybrid, K = 5 table, cap 128 (= v2's
   // __launch_bounds__(256, 2)). Benchmark knob (read once): KBIT_GEMV_CFG, a comma list of K=<t|r|h><cap>, e.g.
-  // "2=r80,3=r96,4=h96" (t = table; cap 80, 96 or 128), "*=..." for every K <= 4. The caps 80 / 96 are built (ptxas:
-  // no or few spills for K = 2, 3; 8 / 80 bytes for K = 4) but were never timed on a GPU (run 11 crashed in this
-  // knob's first parser, since fixed and checked on the host only).
+  // "2=r80,3=r96,4=h96" (t = table; cap 80, 96 or 128), "*=..." for every K <= 4. The caps 80 / 96 (ptxas: no or few
+  // spills for K = 2, 3; 8 / 80 bytes for K = 4) pass the GPU tests but were no faster anywhere and 11-30% slower for
+  // K = 4 (docs/kernels.md, register caps), so the default cap stays 128.
   static const GemvCfg cfg_env = parse_gemv_cfg(getenv("KBIT_GEMV_CFG"));
   auto kern = gemv_kernel<K, T, 0, 128>;
   if constexpr (K <= 4) {
