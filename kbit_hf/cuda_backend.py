@@ -15,6 +15,7 @@ kbit_hf/_lib/libkbit_cuda.so.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import warnings
 from pathlib import Path
@@ -208,12 +209,9 @@ def quantize_out(weight, codebook, k, absmax_format, packed, absmax, scale):
         weight = weight.float()
     weight = weight.contiguous()
     *lead, out, inp = weight.shape
-    E = 1
-    for d in lead:
-        E *= d
+    E = math.prod(lead)
+    fmt.check_absmax_format(absmax_format)
     fp16 = 1 if absmax_format == "fp16" else 0
-    if absmax_format not in fmt.ABSMAX_FORMATS:
-        raise ValueError(f"absmax_format: unknown format {absmax_format!r} (expected one of {fmt.ABSMAX_FORMATS})")
     cb = _cb(codebook, weight.device, k)
     with _on_device(weight.device):
         rc = _lib.kbit_quantize(weight.data_ptr(), _DTYPE_CODE[weight.dtype], E, out, inp, cb.data_ptr(), k, fp16,
@@ -226,21 +224,15 @@ def quantize(weight, codebook, k, absmax_format):
     if weight.dim() < 2:
         raise ValueError(f"kbit quantizes matrices [..., out, in]; got a tensor of shape {tuple(weight.shape)}")
     fmt.check_finite(weight)
-    shapes = fmt.packed_shapes(tuple(weight.shape), k)
-    dev = weight.device
-    packed = torch.empty(shapes["packed"], dtype=torch.uint32, device=dev)
-    absmax = torch.empty(shapes["absmax"], dtype=torch.uint8 if absmax_format == "e4m4" else torch.float16, device=dev)
-    scale = torch.empty(shapes["scale"], dtype=torch.float32, device=dev)
-    return quantize_out(weight, codebook, k, absmax_format, packed, absmax, scale)
+    return quantize_out(weight, codebook, k, absmax_format,
+                        *fmt.empty_quantized(tuple(weight.shape), k, absmax_format, weight.device))
 
 
 def dequantize_out(packed, absmax, scale, codebook, k, in_features, out):
     """Dequantize into `out` [..., out_features, in_features] (fp32/fp16/bf16, contiguous)."""
     _check_k(k)
     *lead, rows, _ = packed.shape
-    E = 1
-    for d in lead:
-        E *= d
+    E = math.prod(lead)
     dev = packed.device
     with _on_device(dev):
         rc = _lib.kbit_dequantize(packed.data_ptr(), absmax.data_ptr(), _absmax_fp16(absmax), scale.data_ptr(),
@@ -253,21 +245,20 @@ def dequantize_out(packed, absmax, scale, codebook, k, in_features, out):
 def dequantize(packed, absmax, scale, codebook, k, in_features, dtype=torch.float32):
     _check_shapes(packed, absmax, scale, k, in_features)
     packed, absmax, scale = packed.contiguous(), absmax.contiguous(), scale.contiguous()
-    out = torch.empty((*packed.shape[:-1], in_features), dtype=dtype, device=packed.device)
-    if dtype not in _DTYPE_CODE:
-        return dequantize_out(packed, absmax, scale, codebook, k, in_features, torch.empty_like(out, dtype=torch.float32)).to(dtype)
-    return dequantize_out(packed, absmax, scale, codebook, k, in_features, out)
+    # other float dtypes: decode to fp32, then cast
+    kernel_dtype = dtype if dtype in _DTYPE_CODE else torch.float32
+    out = torch.empty((*packed.shape[:-1], in_features), dtype=kernel_dtype, device=packed.device)
+    return dequantize_out(packed, absmax, scale, codebook, k, in_features, out).to(dtype)
 
 
 def linear_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
     """Fused dequant-GEMV into `out` [M, out_features]: x [M, in] contiguous fp16/bf16, 1 <= M <= 8, bias None or
     x's dtype. No allocation, no synchronisation (CUDA-graph safe)."""
     dev = x.device
+    _absmax_fp16(absmax)  # validates the scale dtype
     with _on_device(dev):
-        rc = _lib.kbit_gemv(x.data_ptr(), _DTYPE_CODE[x.dtype], x.shape[0], packed.data_ptr(), absmax.data_ptr(),
-                            _absmax_fp16(absmax), scale.data_ptr(), _cb(codebook, dev, k).data_ptr(), k,
-                            packed.shape[0], in_features, 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                            _stream(dev))
+        rc = _gemv_call(x, x.shape[0], packed, absmax, scale, _cb(codebook, dev, k), k, packed.shape[0], in_features,
+                        bias, out, dev)
     _check(rc, "gemv")
     return out
 
@@ -276,10 +267,10 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y, dev):
-    return _lib.kbit_gemv(x.data_ptr(), 2 if x.dtype == torch.bfloat16 else 1, M, packed.data_ptr(),
-                          absmax.data_ptr(), 1 if absmax.dtype == torch.float16 else 0, scale.data_ptr(),
-                          codebook.data_ptr(), k, out_f, in_features, 0 if bias is None else bias.data_ptr(),
-                          y.data_ptr(), _stream(dev))
+    """The one ctypes call of the fused GEMV (x fp16/bf16, codebook fp32 on x's device; no checks: hot path)."""
+    return _lib.kbit_gemv(x.data_ptr(), _DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
+                          1 if absmax.dtype == torch.float16 else 0, scale.data_ptr(), codebook.data_ptr(), k, out_f,
+                          in_features, 0 if bias is None else bias.data_ptr(), y.data_ptr(), _stream(dev))
 
 
 _KSET = frozenset(fmt.SUPPORTED_K)

@@ -20,6 +20,7 @@ import torch
 BLOCK = 32
 SUPPORTED_K = (2, 3, 4, 5)
 ABSMAX_FORMATS = ("e4m4", "fp16")
+ABSMAX_DTYPES = {"e4m4": torch.uint8, "fp16": torch.float16}  # stored dtype of the block scales
 
 # E4M4: 4 exponent bits, 4 mantissa bits, bias 11, IEEE-style subnormals, no sign, no inf/nan.
 E4M4_BIAS = 11
@@ -119,14 +120,18 @@ def tensor_scale(block_absmax: torch.Tensor) -> torch.Tensor:
 
 def encode_absmax(a: torch.Tensor, absmax_format: str) -> torch.Tensor:
     """Store normalised block scales. A nonzero scale never rounds to zero: it is raised to the smallest code."""
+    check_absmax_format(absmax_format)
     if absmax_format == "e4m4":
         code = e4m4_encode(a)
         return torch.where((a > 0) & (code == 0), torch.ones_like(code), code)
-    if absmax_format == "fp16":
-        h = a.to(torch.float16)
-        tiny = torch.full_like(h, 2.0**-24)
-        return torch.where((a > 0) & (h == 0), tiny, h)
-    raise ValueError(f"absmax_format: unknown format {absmax_format!r} (expected one of {ABSMAX_FORMATS})")
+    h = a.to(torch.float16)
+    tiny = torch.full_like(h, 2.0**-24)
+    return torch.where((a > 0) & (h == 0), tiny, h)
+
+
+def check_absmax_format(absmax_format: str) -> None:
+    if absmax_format not in ABSMAX_FORMATS:
+        raise ValueError(f"absmax_format: unknown format {absmax_format!r} (expected one of {ABSMAX_FORMATS})")
 
 
 def decode_absmax(stored: torch.Tensor) -> torch.Tensor:
@@ -188,6 +193,15 @@ def packed_shapes(shape: tuple[int, ...], k: int) -> dict[str, tuple[int, ...]]:
     }
 
 
+def empty_quantized(shape: tuple[int, ...], k: int, absmax_format: str, device=None):
+    """Uninitialised (packed, absmax, scale) tensors for a float weight of `shape` [..., out, in]."""
+    check_absmax_format(absmax_format)
+    shapes = packed_shapes(shape, k)
+    return (torch.empty(shapes["packed"], dtype=torch.uint32, device=device),
+            torch.empty(shapes["absmax"], dtype=ABSMAX_DTYPES[absmax_format], device=device),
+            torch.empty(shapes["scale"], dtype=torch.float32, device=device))
+
+
 def check_finite(w: torch.Tensor, what: str = "weight") -> None:
     if not bool(torch.isfinite(w).all()):
         n = int((~torch.isfinite(w)).sum())
@@ -198,6 +212,8 @@ __all__ = [
     "BLOCK",
     "SUPPORTED_K",
     "ABSMAX_FORMATS",
+    "ABSMAX_DTYPES",
+    "check_absmax_format",
     "E4M4_MAX",
     "E4M4_MIN",
     "n_blocks",
@@ -217,5 +233,6 @@ __all__ = [
     "unpack_bitplanes",
     "bits_per_weight",
     "packed_shapes",
+    "empty_quantized",
     "check_finite",
 ]

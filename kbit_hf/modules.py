@@ -31,14 +31,13 @@ def _placeholders(shape_oi: tuple[int, ...], k: int, absmax_format: str, device,
     model_shape is the float weight's shape as the model holds it (different for transposed experts).
     """
     shapes = fmt.packed_shapes(shape_oi, k)
-    absmax_dtype = torch.uint8 if absmax_format == "e4m4" else torch.float16
     if pre_quantized:
         main = torch.empty(shapes["packed"], dtype=torch.uint32, device=device)
     else:
         main = torch.empty(model_shape, dtype=float_dtype, device=device)
     return {
         "": _frozen(main),
-        "_absmax": _frozen(torch.empty(shapes["absmax"], dtype=absmax_dtype, device=device)),
+        "_absmax": _frozen(torch.empty(shapes["absmax"], dtype=fmt.ABSMAX_DTYPES[absmax_format], device=device)),
         "_scale": _frozen(torch.empty(shapes["scale"], dtype=torch.float32, device=device)),
         "_codebook": _frozen(torch.empty(shapes["codebook"], dtype=torch.float32, device=device)),
     }

@@ -29,13 +29,7 @@ def quantize(
 
 @quantize.register_fake
 def _(weight, codebook, k, absmax_format):
-    shapes = fmt.packed_shapes(tuple(weight.shape), k)
-    absmax_dtype = torch.uint8 if absmax_format == "e4m4" else torch.float16
-    return (
-        weight.new_empty(shapes["packed"], dtype=torch.uint32),
-        weight.new_empty(shapes["absmax"], dtype=absmax_dtype),
-        weight.new_empty(shapes["scale"], dtype=torch.float32),
-    )
+    return fmt.empty_quantized(tuple(weight.shape), k, absmax_format, weight.device)
 
 
 @torch.library.custom_op("kbit::dequantize", mutates_args=())

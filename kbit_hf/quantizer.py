@@ -139,7 +139,7 @@ class KbitHfQuantizer(HfQuantizer):
     def _check_loaded(self, model) -> None:
         """Every kbit tensor must be packed and of the exact shape/dtype the format requires (5.17 does not check)."""
         k = self.quantization_config.k
-        absmax_dtype = torch.uint8 if self.quantization_config.absmax_format == "e4m4" else torch.float16
+        absmax_dtype = fmt.ABSMAX_DTYPES[self.quantization_config.absmax_format]
         for mod_name, module in model.named_modules():
             if isinstance(module, KbitLinear):
                 items = [("weight", (module.out_features, module.in_features))]

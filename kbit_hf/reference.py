@@ -37,16 +37,15 @@ def quantize(
     """weight [..., out, in] (any float dtype) -> (packed uint32, absmax uint8|fp16, scale float32 [...])."""
     if weight.dim() < 2:
         raise ValueError(f"kbit quantizes matrices [..., out, in]; got a tensor of shape {tuple(weight.shape)}")
-    if absmax_format not in fmt.ABSMAX_FORMATS:
-        raise ValueError(f"absmax_format: unknown format {absmax_format!r} (expected one of {fmt.ABSMAX_FORMATS})")
+    fmt.check_absmax_format(absmax_format)
     fmt.check_finite(weight)
     *lead, out, inp = weight.shape
     shapes = fmt.packed_shapes(tuple(weight.shape), k)
     w3 = weight.reshape(-1, out, inp)
     codebook = codebook.to(weight.device, torch.float32)
     packed = torch.empty((w3.shape[0], out, shapes["packed"][-1]), dtype=torch.uint32, device=weight.device)
-    absmax_dtype = torch.uint8 if absmax_format == "e4m4" else torch.float16
-    absmax = torch.empty((w3.shape[0], out, shapes["absmax"][-1]), dtype=absmax_dtype, device=weight.device)
+    absmax = torch.empty((w3.shape[0], out, shapes["absmax"][-1]), dtype=fmt.ABSMAX_DTYPES[absmax_format],
+                         device=weight.device)
     scale = torch.empty(w3.shape[0], dtype=torch.float32, device=weight.device)
     for e in range(w3.shape[0]):
         # Pass 1: block absmax of the whole matrix, which fixes its power-of-two scale.

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import format as fmt
+
 # Named architecture shapes (the published configs' sizes; weights are random). `layers` slices the depth.
 SHAPES = {
     "llama-3-8b": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -134,7 +136,7 @@ class Method:
 def parse_methods(text: str) -> list[Method]:
     methods = []
     for name in (m.strip() for m in text.split(",") if m.strip()):
-        if name == "bf16" or name in {f"kbit{k}" for k in (2, 3, 4, 5)}:
+        if name == "bf16" or name in {f"kbit{k}" for k in fmt.SUPPORTED_K}:
             methods.append(Method(name))
         elif name == "bnb-nf4":
             methods.append(Method(name, _import_error("bitsandbytes")))
