@@ -22,13 +22,16 @@ def card_section(config) -> str:
     names = {"nf": "normal-float (nf)", "nf0": "normal-float with zero (nf0)"}
     codebook = names.get(config.codebook, f"custom ({len(config.codebook)} values)") if isinstance(
         config.codebook, str) else f"custom ({len(config.codebook)} values)"
+    head = "; the output head is quantized too" if config.quantize_lm_head else ""
+    kept = ("Tied embeddings and MoE routers" if config.quantize_lm_head
+            else "The output head, tied embeddings and MoE routers")
+    extra = ", as do: " + ", ".join(config.modules_to_not_convert) if config.modules_to_not_convert else ""
     return (
         f"{_SECTION_TITLE}\n\n"
         f"This model's linear layers and MoE experts are quantized with "
         f"[kbit_hf](https://pypi.org/project/kbit_hf/): k={config.k} bits per weight index, {codebook} codebook, "
         f"blocks of {fmt.BLOCK} weights with one {config.absmax_format} scale each "
-        f"({config.bits_per_weight:g} bits per weight). The output head, tied embeddings and MoE routers stay in "
-        f"full precision{', as do: ' + ', '.join(config.modules_to_not_convert) if config.modules_to_not_convert else ''}.\n\n"
+        f"({config.bits_per_weight:g} bits per weight){head}. {kept} stay in full precision{extra}.\n\n"
         "```python\nimport kbit_hf  # registers the 'kbit' quantization method\n"
         "from transformers import AutoModelForCausalLM\n"
         "model = AutoModelForCausalLM.from_pretrained(\"<this repo>\", device_map=\"auto\")\n```\n"

@@ -93,9 +93,26 @@ class KbitHfQuantizer(HfQuantizer):
     # ---- module swap ---------------------------------------------------------------------------------------
     def _skip_list(self, model) -> list[str]:
         skip = set(get_keys_to_not_convert(model))
+        if self.quantization_config.quantize_lm_head:
+            skip -= self._lm_head_names(model)
         skip.update(self.quantization_config.modules_to_not_convert or [])
         skip.update(getattr(model, "_keep_in_fp32_modules", None) or [])
         return sorted(skip)
+
+    @staticmethod
+    def _lm_head_names(model) -> set[str]:
+        """Module names of the output head, checked for `quantize_lm_head` (an untied nn.Linear)."""
+        head = model.get_output_embeddings()
+        names = {n for n, m in model.named_modules() if head is not None and m is head}
+        if not names or not isinstance(head, nn.Linear):
+            raise ValueError(f"quantize_lm_head=True, but {type(model).__name__} has no nn.Linear output head to "
+                             "quantize")
+        tied = {key.removesuffix(".weight") for pair in model.all_tied_weights_keys.items() for key in pair}
+        if names & tied:
+            raise ValueError(f"quantize_lm_head=True, but this model ties its output head {sorted(names)} to the input "
+                             "embeddings (tie_word_embeddings=True), which must stay a float table; load it with "
+                             "quantize_lm_head=False")
+        return names
 
     def _should_convert(self, name: str) -> bool:
         if name.rpartition(".")[2] in ROUTER_NAMES:

@@ -10,14 +10,14 @@ from kbit_hf.bench.__main__ import main
 
 def test_generate_benchmark_tiny_cpu(tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
-    rc = main(["generate", "--model", "tiny-qwen3-moe", "--methods", "bf16,kbit4,kbit2", "--modes", "eager,static",
+    rc = main(["generate", "--model", "tiny-qwen3-moe", "--methods", "bf16,kbit4,kbit2-head", "--modes", "eager,static",
                "--batch", "1,3", "--prompt-len", "8", "--new-tokens", "5", "--device", "cpu",
                "--workdir", str(tmp_path / "ckpt"), "--json", str(out_json), "--png", str(out_png)])
     assert rc == 0
     report = json.loads(out_json.read_text())
     assert report["model"] == "tiny-qwen3-moe-2L" and report["device"] == "cpu"
     by = {r["method"]: r for r in report["results"]}
-    assert set(by) == {"bf16", "kbit4", "kbit2"}
+    assert set(by) == {"bf16", "kbit4", "kbit2-head"}
     for res in by.values():
         assert "error" not in res and res["load_s"] > 0
         assert [(r["mode"], r["batch"]) for r in res["runs"]] == [("eager", 1), ("eager", 3), ("static", 1),
@@ -48,5 +48,9 @@ def test_generate_benchmark_rejects_bad_arguments():
         generate.shape_config("llama-3-8b", 0)
     cfg = generate.shape_config("llama-3-70b", 4)
     assert cfg.num_hidden_layers == 4 and cfg.hidden_size == 8192
+    assert generate.parse_methods("kbit5-head")[0].quantization_config().quantize_lm_head
+    assert not generate.parse_methods("kbit5")[0].quantization_config().quantize_lm_head
+    with pytest.raises(ValueError, match="unknown method 'kbit4-heads'"):
+        generate.parse_methods("kbit4-heads")
     m = generate.parse_methods("bnb-nf4")[0]
     assert m.name == "bnb-nf4"  # unavailable methods are reported, not fatal

@@ -12,15 +12,16 @@ from kbit_hf import KbitConfig
 
 def test_defaults():
     c = KbitConfig()
-    assert (c.k, c.codebook, c.absmax_format, c.modules_to_not_convert, c.dequantize) == (4, "nf0", "e4m4", None, False)
+    assert (c.k, c.codebook, c.absmax_format, c.modules_to_not_convert, c.quantize_lm_head, c.dequantize) == (
+        4, "nf0", "e4m4", None, False, False)
     assert c.quant_method == "kbit" and c.bits_per_weight == 4.25
 
 
 def test_dict_and_json_round_trip():
     c = KbitConfig(k=3, codebook=[-1, -0.5, -0.2, -0.05, 0.05, 0.2, 0.5, 1], absmax_format="fp16",
-                   modules_to_not_convert=["q_proj"])
+                   modules_to_not_convert=["q_proj"], quantize_lm_head=True)
     d = json.loads(c.to_json_string())
-    assert d["quant_method"] == "kbit" and d["k"] == 3 and d["absmax_format"] == "fp16"
+    assert d["quant_method"] == "kbit" and d["k"] == 3 and d["absmax_format"] == "fp16" and d["quantize_lm_head"]
     again = KbitConfig.from_dict(d)
     assert again == c and again.codebook == [-1.0, -0.5, -0.2, -0.05, 0.05, 0.2, 0.5, 1.0]
 
@@ -62,6 +63,7 @@ def test_register_is_idempotent():
         (dict(codebook=3), "codebook"),
         (dict(absmax_format="fp8"), "absmax_format"),
         (dict(modules_to_not_convert=[""]), "modules_to_not_convert"),
+        (dict(quantize_lm_head=1), "quantize_lm_head"),
         (dict(dequantize="yes"), "dequantize"),
         (dict(format_version=99), "format_version"),
         (dict(bits=4), "unknown field"),

@@ -308,3 +308,14 @@ def test_fake_hub_rejects_unknown_endpoints():
                                              headers={"Authorization": "Bearer wrong"})) == 400
         assert status(urllib.request.Request(f"{fake.endpoint}/api/repos/create", method="PUT", data=b"{}")) == 400
         assert len(fake.errors) == 3, fake.errors
+
+
+def test_card_section_says_what_stays_in_full_precision():
+    from kbit_hf import KbitConfig
+    from kbit_hf.hub import card_section
+
+    default = card_section(KbitConfig(k=4))
+    assert "The output head, tied embeddings and MoE routers stay in full precision." in default
+    head = card_section(KbitConfig(k=3, quantize_lm_head=True, modules_to_not_convert=["q_proj"]))
+    assert "the output head is quantized too" in head
+    assert "Tied embeddings and MoE routers stay in full precision, as do: q_proj." in head

@@ -184,6 +184,35 @@ def test_tied_embeddings_stay_full_precision(tmp_path):
     assert torch.equal(_logits(q, _ids()), _logits(again, _ids()))
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_quantize_lm_head_round_trip(family, fp_folder, tmp_path):
+    path, fp_model = fp_folder(family)
+    kept = AutoModelForCausalLM.from_pretrained(path, quantization_config=KbitConfig(k=4))
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=KbitConfig(k=4, quantize_lm_head=True))
+    assert type(kept.lm_head) is nn.Linear and isinstance(model.lm_head, KbitLinear)
+    ids = _ids()
+    ref, with_head, without_head = _logits(fp_model, ids), _logits(model, ids), _logits(kept, ids)
+    assert not torch.equal(with_head, without_head)
+    # a K=4 head costs about as much accuracy as the K=4 body (random weights: relative logit error of a few %)
+    err = lambda x: ((x - ref).norm() / ref.norm()).item()  # noqa: E731
+    assert err(with_head) < 2 * err(without_head) + 0.02, (err(with_head), err(without_head))
+    model.save_pretrained(tmp_path)
+    saved = json.load(open(os.path.join(tmp_path, "config.json")))["quantization_config"]
+    assert saved["quantize_lm_head"] is True
+    assert load_file(os.path.join(tmp_path, "model.safetensors"))["lm_head.weight"].dtype == torch.uint32  # packed
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(again.lm_head, KbitLinear)
+    assert torch.equal(_logits(again, ids), with_head)
+    out = again.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (ids.shape[0], ids.shape[1] + 3)
+
+
+def test_quantize_lm_head_refuses_a_tied_head(tmp_path):
+    tiny_model("llama", tie_word_embeddings=True).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="ties its output head"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=KbitConfig(k=4, quantize_lm_head=True))
+
+
 @pytest.mark.parametrize("absmax_format", ["fp16", "e4m4"])
 @pytest.mark.parametrize("k", [2, 3, 5])
 def test_other_k_and_formats_round_trip(k, absmax_format, fp_folder, tmp_path):

@@ -58,7 +58,8 @@ SHAPES = {
                                          tie_word_embeddings=False)),
 }
 
-METHOD_HELP = "bf16, kbit2..kbit5, bnb-nf4 (bitsandbytes), torchao-int4 (torchao int4 weight-only, group 128)"
+METHOD_HELP = ("bf16, kbit2..kbit5 (kbit4-head etc.: the output head quantized too), bnb-nf4"
+               " (bitsandbytes), torchao-int4 (torchao int4 weight-only, group 128)")
 
 
 def shape_config(name: str, layers: int | None = None):
@@ -117,7 +118,8 @@ class Method:
         if self.name.startswith("kbit"):
             from ..config import KbitConfig
 
-            return KbitConfig(k=int(self.name[4:]))
+            # "kbit4-head": the output head quantized too
+            return KbitConfig(k=int(self.name[4]), quantize_lm_head=self.name.endswith("-head"))
         if self.name == "bnb-nf4":
             from transformers import BitsAndBytesConfig
 
@@ -136,7 +138,7 @@ class Method:
 def parse_methods(text: str) -> list[Method]:
     methods = []
     for name in (m.strip() for m in text.split(",") if m.strip()):
-        if name == "bf16" or name in {f"kbit{k}" for k in fmt.SUPPORTED_K}:
+        if name == "bf16" or name in {f"kbit{k}{head}" for k in fmt.SUPPORTED_K for head in ("", "-head")}:
             methods.append(Method(name))
         elif name == "bnb-nf4":
             methods.append(Method(name, _import_error("bitsandbytes")))

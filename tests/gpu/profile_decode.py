@@ -1,6 +1,6 @@
 """Where does a decode step's time go? Loads a checkpoint with one method, warms `generate` up (static cache:
 compiled + CUDA graphs, or eager), then profiles `generate` and prints the GPU time per decode step by kernel,
-the summed GPU busy time per step, and the wall time per step.
+the summed GPU busy time per step, the wall time per step, and the host (CPU) self time by op.
 
 usage: python tests/gpu/profile_decode.py FOLDER METHOD [static|eager] [new_tokens]
 """
@@ -51,7 +51,12 @@ def main():
     print(f"{'us total':>10} {'count':>7} {'us/call':>8}  name")
     for e in rows:
         print(f"{e.self_device_time_total:10.0f} {e.count:7d} {e.self_device_time_total / e.count:8.2f}  {e.key[:110]}")
-    prof.export_chrome_trace(f"/tmp/trace_{method}.json")
+    # host side: where the Python / dispatcher time of the profiled runs goes (self CPU time by op)
+    cpu = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    print(f"host self time of the profiled runs: {sum(e.self_cpu_time_total for e in cpu):.0f} us")
+    print(f"{'us self':>10} {'count':>7} {'us/call':>8}  op")
+    for e in sorted(cpu, key=lambda e: -e.self_cpu_time_total)[:25]:
+        print(f"{e.self_cpu_time_total:10.0f} {e.count:7d} {e.self_cpu_time_total / e.count:8.2f}  {e.key[:110]}")
 
 
 if __name__ == "__main__":
