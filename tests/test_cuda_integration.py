@@ -11,11 +11,13 @@ from tiny_models import VOCAB, tiny_model
 pytestmark = pytest.mark.cuda
 
 
-@pytest.mark.parametrize("family", ["llama", "mixtral", "gpt_oss"])
-def test_quantize_on_gpu_matches_cpu_and_reloads(family, tmp_path):
+@pytest.mark.parametrize("family,head", [("llama", False), ("llama", True), ("mixtral", False), ("gpt_oss", False)])
+def test_quantize_on_gpu_matches_cpu_and_reloads(family, head, tmp_path):
     tiny_model(family).save_pretrained(tmp_path / "fp")
-    cpu = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=KbitConfig(k=4), device_map="cpu")
-    gpu = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=KbitConfig(k=4), device_map="cuda")
+    cfg = KbitConfig(k=4, quantize_lm_head=head)
+    cpu = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=cfg, device_map="cpu")
+    gpu = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=cfg, device_map="cuda")
+    assert isinstance(gpu.lm_head, KbitLinear) == head
     a, b = cpu.state_dict(), gpu.state_dict()
     kbit_keys = [k for k, m in gpu.named_modules() if isinstance(m, (KbitLinear, KbitMoE))]
     assert kbit_keys
