@@ -54,8 +54,7 @@ def main():
     for m in methods:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map=DEV,
                                                      quantization_config=m.quantization_config()).eval()
-        layer = model.model.layers[0]
-        moe = layer.mlp
+        moe = model.model.layers[0].mlp
         with torch.inference_mode():
             ids = torch.randint(10, 1000, (1, 64), device=DEV)
             cache = DynamicCache(config=model.config)
@@ -69,9 +68,8 @@ def main():
 
             x = torch.randn(1, 1, model.config.hidden_size, device=DEV, dtype=torch.bfloat16)
             h = x.view(-1, x.shape[-1])
-            logits = moe.gate(h) if hasattr(moe, "gate") else None
             rows = [("forward", fwd), ("moe block", lambda: moe(x))]
-            if hasattr(moe, "experts") and logits is not None:
+            if hasattr(moe, "experts") and hasattr(moe, "gate"):
                 out = moe.gate(h)
                 # transformers 5 routers return (logits, weights, indices) or logits; take top-k ourselves
                 lg = out[0] if isinstance(out, tuple) else out

@@ -31,6 +31,16 @@ def _weights(shape, dtype, seed):
     return w.to(dtype)
 
 
+def _assert_same_quantized(ref, got):
+    """(packed, absmax, scale) from the GPU equal the reference's bit for bit, dtypes and shapes included."""
+    for name, r, g in zip(("packed", "absmax", "scale"), ref, got):
+        assert g.dtype == r.dtype and g.shape == r.shape, name
+        g = g.cpu()
+        if r.dtype == torch.uint32:
+            r, g = r.view(torch.int32), g.view(torch.int32)
+        assert torch.equal(g, r), f"{name} differs at {(g != r).nonzero()[:5].tolist()}"
+
+
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("absmax_format", fmt.ABSMAX_FORMATS)
@@ -39,13 +49,7 @@ def test_quantize_bitexact(k, dtype, absmax_format, shape):
     cb = fmt.nf_codebook(k)
     w = _weights(shape, dtype, seed=k * 1000 + len(shape) + shape[-1])
     ref = reference.quantize(w, cb, k, absmax_format)
-    got = _cuda().quantize(w.cuda(), cb.cuda(), k, absmax_format)
-    for name, r, g in zip(("packed", "absmax", "scale"), ref, got):
-        assert g.dtype == r.dtype and g.shape == r.shape, name
-        g = g.cpu()
-        if r.dtype == torch.uint32:
-            r, g = r.view(torch.int32), g.view(torch.int32)
-        assert torch.equal(g, r), f"{name} differs at {(g != r).nonzero()[:5].tolist()}"
+    _assert_same_quantized(ref, _cuda().quantize(w.cuda(), cb.cuda(), k, absmax_format))
 
 
 @pytest.mark.parametrize("k", KS)
@@ -57,12 +61,8 @@ def test_quantize_custom_codebook_and_scales(k):
     w[4] *= 1e4
     w[5, :32] = 1e-30
     for fmt_name in fmt.ABSMAX_FORMATS:
-        ref = reference.quantize(w, cb, k, fmt_name)
         got = _cuda().quantize(w.cuda(), cb.cuda(), k, fmt_name)
-        for r, g in zip(ref, got):
-            if r.dtype == torch.uint32:
-                r, g = r.view(torch.int32), g.view(torch.int32)
-            assert torch.equal(g.cpu(), r)
+        _assert_same_quantized(reference.quantize(w, cb, k, fmt_name), got)
 
 
 @pytest.mark.parametrize("k", KS)
