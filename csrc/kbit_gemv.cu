@@ -1,4 +1,4 @@
-// kbit_gemv.cu: fused dequantize + GEMV for the decode path (M = 1..8 activation rows, fp16/bf16, fp32 accumulate)
+// kbit_gemv.cu: fused dequantize + GEMV for the decode path (M = 1..32 activation rows, fp16/bf16, fp32 accumulate)
 // on the tensor cores (mma.sync m16n8k16, sm_80+), and the grouped (per-row expert) GEMV used by KbitMoE.
 //
 // v6 design (see docs/kernels.md, "GEMV v6", for the measurements):
@@ -50,6 +50,7 @@ namespace {
 constexpr int TILE = 16;        // output rows per CTA
 constexpr int STEP = 8;         // 32-element blocks per warp step
 constexpr int MAX_WARPS = 8;
+constexpr int MAX_M = 32;       // activation rows of the fused kernel (more: dequantize + cuBLAS)
 
 template <int K>
 struct Cfg {
@@ -115,8 +116,9 @@ __device__ __forceinline__ uint32_t lds(const char* tb, uint32_t off) {
 }
 
 // Fold the K planes of one row-block into pair-table byte offsets and look the 16 pairs up: a[p] = the two weights
-// (elements 2p, 2p+1) of pair p, times d2.
-template <int K, typename T>
+// (elements 2p, 2p+1) of pair p, times d2. HALF = 0 / 1: only pairs 8 * HALF .. 8 * HALF + 7 (elements 16 * HALF ..
+// 16 * HALF + 15), the others are left unset; -1: all.
+template <int K, typename T, int HALF = -1>
 __device__ __forceinline__ void decode_block(const uint32_t (&w)[5], uint32_t d2, uint32_t c4, const char* tb,
                                              uint32_t (&a)[16]) {
   using C = Cfg<K>;
@@ -131,6 +133,7 @@ __device__ __forceinline__ void decode_block(const uint32_t (&w)[5], uint32_t d2
       }
 #pragma unroll
       for (int B = 0; B < 4; ++B) {
+        if (HALF >= 0 && (B >> 1) != HALF) continue;
         const int sh = 8 * B - C::L;
         const uint32_t v = sh >= 0 ? (t >> (sh >= 0 ? sh : 0)) : (t << (sh < 0 ? -sh : 0));
         a[4 * B + s] = Mma<T>::mul2(lds(tb, (v & C::AMASK) | c4), d2);
@@ -146,6 +149,7 @@ __device__ __forceinline__ void decode_block(const uint32_t (&w)[5], uint32_t d2
       }
 #pragma unroll
       for (int f = 0; f < 2; ++f) {
+        if (HALF >= 0 && f != HALF) continue;
         const int sh = 16 * f - C::L;
         const uint32_t ve = sh >= 0 ? (te >> (sh >= 0 ? sh : 0)) : (te << (sh < 0 ? -sh : 0));
         const uint32_t vo = sh >= 0 ? (to >> (sh >= 0 ? sh : 0)) : (to << (sh < 0 ? -sh : 0));
@@ -318,6 +322,33 @@ __device__ __forceinline__ void load_x(const T* __restrict__ xr, bool on, int bl
   }
 }
 
+// half h of load_x: xw[i] = pair 8h + i (elements 16h + 2i, 16h + 2i + 1)
+template <typename T, bool CHECK>
+__device__ __forceinline__ void load_x_half(const T* __restrict__ xr, bool on, int blk, int h, int in,
+                                            uint32_t (&xw)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) xw[i] = 0u;
+  if (!on) return;
+  const int c0 = blk * BLOCK + 16 * h;
+  if (!CHECK) {
+    const uint4* p = reinterpret_cast<const uint4*>(xr + c0);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint4 v = __ldg(p + i);
+      xw[4 * i] = v.x; xw[4 * i + 1] = v.y; xw[4 * i + 2] = v.z; xw[4 * i + 3] = v.w;
+    }
+  } else {
+    const unsigned short* xs = reinterpret_cast<const unsigned short*>(xr);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int c = c0 + 2 * i;
+      const uint32_t lo = c < in ? xs[c] : 0u;
+      const uint32_t hi = c + 1 < in ? xs[c + 1] : 0u;
+      xw[i] = lo | (hi << 16);
+    }
+  }
+}
+
 struct Buf {
   uint32_t w[2][2][5];  // [owned block][row g / g+8][plane]
   uint32_t sc[2][2];
@@ -408,22 +439,73 @@ __device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__
   }
 }
 
+// NT > 1 (M = 9..32): one step of NT token tiles. Each half of an owned row-block (16 elements) is decoded once
+// through the pair table (natural pair order, so the activations need no pairing) and feeds NT MMAs, one per tile of
+// 8 tokens; lane (g, q) loads the 16 activations of tokens g, g + 8, ... (rows xs apart; tokens >= M: zeros) at use.
+// Half blocks keep the decoded weights at 16 registers. xq / xr as in compute_step.
+template <int K, typename T, bool CHECK, int NT>
+__device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restrict__ xr, const T* __restrict__ xq,
+                                                int64_t xs, int M, int g, int fp16, int b0, int q, int nb, int in,
+                                                uint32_t c4, const char* tb, float (&acc)[NT][4]) {
+#pragma unroll
+  for (int ob = 0; ob < 2; ++ob) {
+    const int blk = b0 + q + 4 * ob;
+    const uint32_t dg = scale_pair<T>(b.sc[ob][0], fp16), dh = scale_pair<T>(b.sc[ob][1], fp16);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t ag[16], ah[16];
+      if (h == 0) {
+        decode_block<K, T, 0>(b.w[ob][0], dg, c4, tb, ag);
+        decode_block<K, T, 0>(b.w[ob][1], dh, c4, tb, ah);
+      } else {
+        decode_block<K, T, 1>(b.w[ob][0], dg, c4, tb, ag);
+        decode_block<K, T, 1>(b.w[ob][1], dh, c4, tb, ah);
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const bool on = 8 * nt + g < M;
+        uint32_t xw[8];
+        if constexpr (CHECK) load_x_half<T, true>(xr + 8 * nt * xs, on && blk < nb, blk, h, in, xw);
+        else load_x_half<T, false>(xq + 8 * nt * xs, on, 4 * ob, h, in, xw);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const int lo = 8 * h + s, hi = lo + 4;
+          Mma<T>::run(acc[nt], ag[lo], ah[lo], ag[hi], ah[hi], xw[s], xw[s + 4]);
+        }
+      }
+    }
+  }
+}
+
 // x rows: x + m * in (m < M). ids != nullptr: expert mode (M == 1), token n = blockIdx.y, expert ids[n].
 // NREG: register cap (128 = 2 CTAs of 8 warps / 4 of 4 warps per SM; 96: 5 CTAs of 4 warps; 80: 6 of 4, 3 of 8)
-template <int K, typename T, int MODE, int NREG>
+// NT: token tiles of 8 (M <= 8 * NT; NT > 1 only with MODE 0). The CTA is blockDim.y row groups (16 rows each: tile
+// blockIdx.x * blockDim.y + threadIdx.y) x blockDim.x / 32 warps splitting the input dimension; the row groups of a
+// CTA walk the same steps, so their activation loads hit L1 (the activations are read by every row tile: at M = 32
+// that is 256 KB per tile for in = 4096, so more rows per CTA means less L2 traffic).
+template <int K, typename T, int MODE, int NREG, int NT>
 __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     const T* __restrict__ x, int M, const uint32_t* __restrict__ packed, const void* __restrict__ absmax, int fp16,
     const float* __restrict__ scale, const float* __restrict__ codebook, const T* __restrict__ bias,
     T* __restrict__ y, int64_t out, int in, int nb, const int64_t* __restrict__ ids, int64_t E, int vec) {
   using C = Cfg<K>;
-  __shared__ __align__(16) uint32_t tbl[MODE == 1 ? 4 : C::WORDS];  // pair table (modes 0, 2)
-  __shared__ float red[MAX_WARPS][4][32];
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
-  const int64_t o0 = (int64_t)blockIdx.x * TILE;
+  static_assert(NT == 1 || MODE == 0, "token tiles use the table decode");
+  // pair table (modes 0, 2) and the cross-warp reduction; with NT > 1 the reduction reuses the table's space
+  constexpr int TBL_WORDS = MODE == 1 ? 4 : C::WORDS;
+  constexpr int RED_WORDS = MAX_WARPS * 4 * NT * 32;
+  __shared__ __align__(16) uint32_t smem[NT > 1 ? (TBL_WORDS > RED_WORDS ? TBL_WORDS : RED_WORDS)
+                                                : TBL_WORDS + RED_WORDS];
+  uint32_t* tbl = smem;
+  float* red = reinterpret_cast<float*>(NT > 1 ? smem : smem + TBL_WORDS);  // [warp][4 * NT][32]
+  const int lane = threadIdx.x & 31, W = blockDim.x >> 5;
+  const int warp = threadIdx.x >> 5;                          // k split
+  const int cw = threadIdx.y * W + warp;                      // warp in the CTA
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
+  const int64_t o0 = ((int64_t)blockIdx.x * blockDim.y + threadIdx.y) * TILE;
   int64_t e = 0;
   const T* xr = x;
   T* yr = y;
-  if (ids != nullptr) {
+  if (ids != nullptr) {  // (blockDim.y == 1 here)
     const int64_t n = blockIdx.y;
     const int64_t id = ids[n];
     yr = y + n * out;
@@ -437,12 +519,13 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
   const int g = lane >> 2, q = lane & 3;
   const uint32_t c4 = (uint32_t)(lane & (C::R - 1)) * 4u;
   const char* tb = reinterpret_cast<const char*>(tbl);
-  // rows g and g + 8 of the tile, clamped into the matrix (rows past `out` compute garbage that is never written)
   // rows g and g + 8 of the tile, clamped into the matrix (rows past `out` compute garbage that is never written),
-  // as 32-bit offsets from the tile's first row
-  const int64_t rb = e * out + o0;
-  const uint32_t d0 = (uint32_t)((o0 + g < out ? o0 + g : out - 1) - o0);
-  const uint32_t d1 = (uint32_t)((o0 + g + 8 < out ? o0 + g + 8 : out - 1) - o0);
+  // as 32-bit offsets from the first row read (the tile's first row, or the last row of the matrix for a row group
+  // wholly past it)
+  const int64_t orow = o0 < out ? o0 : out - 1;
+  const int64_t rb = e * out + orow;
+  const uint32_t d0 = (uint32_t)((o0 + g < out ? o0 + g : out - 1) - orow);
+  const uint32_t d1 = (uint32_t)((o0 + g + 8 < out ? o0 + g + 8 : out - 1) - orow);
   const int64_t rw = (int64_t)nb * K;
   const uint32_t* __restrict__ wb = packed + rb * rw;
   const uint32_t ow0 = d0 * (uint32_t)rw, ow1 = d1 * (uint32_t)rw;
@@ -482,7 +565,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
   }
   if constexpr (MODE != 1) {
     // pair table: entry P holds (cb[i0], cb[i1]) * PRE, i0 / i1 = the even / odd bits of P, in R replicas
-    for (int p = tid; p < C::NP; p += blockDim.x) {
+    for (int p = tid; p < C::NP; p += nthreads) {
       uint32_t i0 = 0, i1 = 0;
 #pragma unroll
       for (int j = 0; j < K; ++j) {
@@ -500,7 +583,9 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     }
     __syncthreads();
   }
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   if (st < nfs) {
 #pragma unroll 1
     for (; st < nfs; st += W) {
@@ -509,7 +594,10 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
         load_step_p<K>(nxt, pw0, pw1, pa0, pa1, fp16);
         pw0 += dw; pw1 += dw; pa0 += da; pa1 += da;
       }
-      compute_step<K, T, false, MODE>(cur, xg, xq, xon, fp16, st * STEP, q, nb, in, c4, tb, tl, th, acc);
+      if constexpr (NT == 1)
+        compute_step<K, T, false, MODE>(cur, xg, xq, xon, fp16, st * STEP, q, nb, in, c4, tb, tl, th, acc[0]);
+      else
+        compute_step_nt<K, T, false, NT>(cur, xg, xq, in, M, g, fp16, st * STEP, q, nb, in, c4, tb, acc);
       xq += dx;
       cur = nxt;
     }
@@ -518,31 +606,42 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
   for (int s2 = nfs + warp; s2 * STEP < nb; s2 += W) {
     Buf tb2;
     load_step<K, true>(tb2, wb, ow0, ow1, ab, oa0, oa1, fp16, s2 * STEP, q, nb);
-    compute_step<K, T, true, MODE>(tb2, xg, xg, xon, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th, acc);
+    if constexpr (NT == 1)
+      compute_step<K, T, true, MODE>(tb2, xg, xg, xon, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th, acc[0]);
+    else
+      compute_step_nt<K, T, true, NT>(tb2, xg, xg, in, M, g, fp16, s2 * STEP, q, nb, in, c4, tb, acc);
   }
 
-  // reduce the W warps' tiles in a fixed order
+  // reduce the W k-split warps' tiles in a fixed order (NT > 1: the table's space, once every warp is done with it)
+  if constexpr (NT > 1) __syncthreads();
 #pragma unroll
-  for (int i = 0; i < 4; ++i) red[warp][i][lane] = acc[i];
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[(cw * 4 * NT + 4 * nt + i) * 32 + lane] = acc[nt][i];
   __syncthreads();
   if (warp != 0) return;
+  const int cw0 = threadIdx.y * W;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float v = red[0][i][lane];
-    for (int w2 = 1; w2 < W; ++w2) v += red[w2][i][lane];
-    acc[i] = v;
-  }
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float v = red[(cw0 * 4 * NT + 4 * nt + i) * 32 + lane];
+      for (int w2 = 1; w2 < W; ++w2) v += red[((cw0 + w2) * 4 * NT + 4 * nt + i) * 32 + lane];
+      acc[nt][i] = v;
+    }
   const float sc = scale[e] * Mma<T>::POST;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int m = 2 * q + (i & 1);
-    const int64_t o = o0 + g + 8 * (i >> 1);
-    if (m < M && o < out) {
-      float v = acc[i] * sc;
-      if (bias != nullptr) v += Cvt<T>::to_f(bias[o]);
-      yr[(int64_t)m * out + o] = Cvt<T>::from_f(v);
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int m = 8 * nt + 2 * q + (i & 1);
+      const int64_t o = o0 + g + 8 * (i >> 1);
+      if (m < M && o < out) {
+        float v = acc[nt][i] * sc;
+        if (bias != nullptr) v += Cvt<T>::to_f(bias[o]);
+        yr[(int64_t)m * out + o] = Cvt<T>::from_f(v);
+      }
     }
-  }
 }
 
 // KBIT_GEMV_CFG parser: code[K] = -1 (default), 0 (table) or mode * 1000 + cap (mode 1 = registers, 2 = hybrid)
@@ -564,14 +663,47 @@ inline GemvCfg parse_gemv_cfg(const char* v) {
   return c;
 }
 
+// M = 9..32: token tiles (NT = 2 or 4), the table decode, RW row groups x KW k-split warps per CTA. Benchmark knob
+// (read once): KBIT_GEMM_TILE=<RW>x<KW>, RW in 1, 2, 4, 8, KW in 1, 2, 4, 8, RW * KW <= 8.
+template <int K, typename T, int NT>
+int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absmax, int fp16, const float* scale,
+              const float* cb, int64_t out, int64_t in, int64_t nb, int vec, const void* bias, void* y,
+              cudaStream_t st) {
+  static const int tile_env = [] {
+    const char* v = getenv("KBIT_GEMM_TILE");
+    if (v == nullptr) return 0;
+    const int r = atoi(v);
+    const char* xp = v;
+    while (*xp && *xp != 'x') ++xp;
+    const int k = *xp ? atoi(xp + 1) : 0;
+    const bool ok = (r == 1 || r == 2 || r == 4 || r == 8) && (k == 1 || k == 2 || k == 4 || k == 8) && r * k <= 8;
+    return ok ? r * 16 + k : 0;
+  }();
+  static const int nreg_env = [] {  // KBIT_GEMM_NREG = 128 or 168: register cap
+    const char* v = getenv("KBIT_GEMM_NREG");
+    return v ? atoi(v) : 0;
+  }();
+  int RW = 4, KW = 2;
+  if (tile_env) { RW = tile_env / 16; KW = tile_env % 16; }
+  const int64_t tiles = (out + TILE * RW - 1) / (TILE * RW);
+  if (tiles > 0x7FFFFFFF || in > (int64_t)1 << 30) return (int)cudaErrorInvalidConfiguration;
+  auto kern = nreg_env == 128 ? gemv_kernel<K, T, 0, 128, NT> : gemv_kernel<K, T, 0, 168, NT>;
+  kern<<<dim3((unsigned)tiles), dim3(KW * 32, RW), 0, st>>>(
+      reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb, reinterpret_cast<const T*>(bias),
+      reinterpret_cast<T*>(y), out, (int)in, (int)nb, nullptr, 1, vec);
+  return (int)cudaGetLastError();
+}
+
 template <int K, typename T>
 int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, const uint32_t* packed,
            const void* absmax, int fp16, const float* scale, const float* cb, int64_t out, int64_t in,
            const void* bias, void* y, cudaStream_t st) {
   if (out == 0 || N == 0) return 0;
-  if (M < 1 || M > 8) return (int)cudaErrorInvalidValue;
+  if (M < 1 || M > MAX_M || (ids != nullptr && M != 1)) return (int)cudaErrorInvalidValue;
   const int64_t nb = (in + 31) / 32;
   const int vec = (in % 8 == 0) && ((reinterpret_cast<uintptr_t>(x) & 15) == 0);
+  if (M > 8) return M > 16 ? launch_nt<K, T, 4>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st)
+                           : launch_nt<K, T, 2>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
   const int64_t tiles = (out + TILE - 1) / TILE;
   dim3 grid((unsigned)tiles, (unsigned)(ids ? N : 1));
   if (grid.y > 65535u || tiles > 0x7FFFFFFF || in > (int64_t)1 << 30) return (int)cudaErrorInvalidConfiguration;
@@ -592,17 +724,17 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
   // spills for K = 2, 3; 8 / 80 bytes for K = 4) pass the GPU tests but were no faster anywhere and 11-30% slower for
   // K = 4 (docs/kernels.md, register caps), so the default cap stays 128.
   static const GemvCfg cfg_env = parse_gemv_cfg(getenv("KBIT_GEMV_CFG"));
-  auto kern = gemv_kernel<K, T, 0, 128>;
+  auto kern = gemv_kernel<K, T, 0, 128, 1>;
   if constexpr (K <= 4) {
     constexpr int kDefault = K == 4 ? 2128 : 1128;
     switch (cfg_env.code[K] >= 0 ? cfg_env.code[K] : kDefault) {
-      case 0: kern = gemv_kernel<K, T, 0, 128>; break;
-      case 1080: kern = gemv_kernel<K, T, 1, 80>; break;
-      case 1096: kern = gemv_kernel<K, T, 1, 96>; break;
-      case 1128: kern = gemv_kernel<K, T, 1, 128>; break;
-      case 2080: kern = gemv_kernel<K, T, 2, 80>; break;
-      case 2096: kern = gemv_kernel<K, T, 2, 96>; break;
-      case 2128: kern = gemv_kernel<K, T, 2, 128>; break;
+      case 0: kern = gemv_kernel<K, T, 0, 128, 1>; break;
+      case 1080: kern = gemv_kernel<K, T, 1, 80, 1>; break;
+      case 1096: kern = gemv_kernel<K, T, 1, 96, 1>; break;
+      case 1128: kern = gemv_kernel<K, T, 1, 128, 1>; break;
+      case 2080: kern = gemv_kernel<K, T, 2, 80, 1>; break;
+      case 2096: kern = gemv_kernel<K, T, 2, 96, 1>; break;
+      case 2128: kern = gemv_kernel<K, T, 2, 128, 1>; break;
       default: break;
     }
   }

@@ -197,6 +197,12 @@ def run(args) -> int:
                 us = _time_graph([lambda c=c: cuda.linear_out(x, c[0], c[1], s0, cb, k, in_f, None, y)
                                   for c in copies], repeats)
                 rows.append((f"kbit K={k}", us, kbytes + io_bytes))
+                if k == 4 and M > 8:  # the path M > 8 took before the token-tiled kernel: dequantize + cuBLAS
+                    wbuf = torch.empty(out_f, in_f, device="cuda", dtype=torch.bfloat16)
+                    us_dq = _time_graph([lambda c=c: torch.mm(x, cuda.dequantize_out(c[0], c[1], s0, cb, k, in_f, wbuf)
+                                                              .t(), out=y) for c in copies], repeats)
+                    rows.append(("K=4 dq+cuBLAS", us_dq, kbytes + io_bytes))
+                    del wbuf
                 del copies, p0, a0
             for name, us, nbytes in rows:
                 pct = 100 * nbytes / (us * 1e-6) / bw

@@ -22,19 +22,27 @@ def main():
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--tag", default="")
     ap.add_argument("--tinygemm", action="store_true", help="also time tinygemm int4 g32 (aten._weight_int4pack_mm)")
+    ap.add_argument("--bf16", action="store_true", help="also time bf16 cuBLAS (torch.mm)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--check", action="store_true", help="first check outputs against a float64 reference")
     ap.add_argument("--compare", nargs="+", default=None, help="print a side-by-side table of JSON files and exit")
     a = ap.parse_args()
     if a.compare:
         runs = [json.load(open(p)) for p in a.compare]
-        keys = [(r["shape"], r["M"], r["k"]) for r in runs[0]["rows"] if r["k"] != "tinygemm"]
+        refs = ("tinygemm", "bf16")  # reference kernels: a column each, from the first file that has them
+        keys = [(r["shape"], r["M"], r["k"]) for r in runs[0]["rows"] if r["k"] not in refs]
+
+        def ref_us(shape, M, name):
+            return next((x["us"] for r in runs for x in r["rows"] if (x["shape"], x["M"], x["k"]) == (shape, M, name)),
+                        float("nan"))
+
         print(f"{'shape':>12} {'M':>2} {'K':>2} " + " ".join(f"{r['tag']:>9}" for r in runs)
-              + f" {'first/last':>10}")
+              + f" {'first/last':>10} {'tinygemm':>9} {'bf16':>9}")
         for key in keys:
             us = [next((x["us"] for x in r["rows"] if (x["shape"], x["M"], x["k"]) == key), float("nan")) for r in runs]
             print(f"{key[0]:>12} {key[1]:>2} {key[2]:>2} " + " ".join(f"{u:9.2f}" for u in us)
-                  + f" {us[0] / us[-1]:9.2f}x")
+                  + f" {us[0] / us[-1]:9.2f}x {ref_us(key[0], key[1], 'tinygemm'):9.2f}"
+                  + f" {ref_us(key[0], key[1], 'bf16'):9.2f}")
         return
     from kbit_hf import cuda_backend as cuda
     from kbit_hf.bench.kernels import _kbit_weights, _n_copies, _time_graph, _tinygemm_weights, copy_bandwidth
@@ -52,7 +60,7 @@ def main():
                     p, sc_a, s = cuda.quantize(torch.randn(o, i, device="cuda"), cb, k, af)
                     wref = cuda.dequantize(p, sc_a, s, cb, k, i, torch.float32).double()
                     for dt in (torch.bfloat16, torch.float16):
-                        for M in (1, 3, 8):
+                        for M in (1, 3, 8, 12, 32):
                             x = torch.randn(M, i, device="cuda", dtype=dt)
                             y = cuda.linear(x, p, sc_a, s, cb, k, i, None).double()
                             ref = x.double() @ wref.t()
@@ -76,6 +84,16 @@ def main():
                 rows.append({"shape": sh, "M": M, "k": "tinygemm", "us": us})
                 print(f"[{a.tag}] {sh:>12} M={M} tinygemm g32 {us:8.2f} us", flush=True)
             del tg
+        if a.bf16:
+            ws = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
+                  for _ in range(_n_copies(out_f * in_f * 2))]
+            for M in (int(v) for v in a.m.split(",")):
+                x = torch.randn(M, in_f, device="cuda", dtype=torch.bfloat16)
+                y = torch.empty(M, out_f, device="cuda", dtype=torch.bfloat16)
+                us = _time_graph([lambda w=w: torch.mm(x, w.t(), out=y) for w in ws], a.repeats)
+                rows.append({"shape": sh, "M": M, "k": "bf16", "us": us})
+                print(f"[{a.tag}] {sh:>12} M={M} bf16 cuBLAS {us:8.2f} us", flush=True)
+            del ws
         for k in (int(v) for v in a.k.split(",")):
             p0, a0, s0, cb = _kbit_weights(out_f, in_f, k)
             kbytes = p0.numel() * 4 + a0.numel()

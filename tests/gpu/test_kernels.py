@@ -117,7 +117,7 @@ def _quantized(shape, k):
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("shape", GEMV_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
-@pytest.mark.parametrize("M", (1, 2, 3, 4, 5, 8))
+@pytest.mark.parametrize("M", (1, 2, 3, 4, 5, 8, 9, 16, 17, 32))
 def test_gemv(k, dtype, M, shape):
     out_f, in_f = shape
     cb = fmt.nf_codebook(k)
@@ -140,9 +140,26 @@ def test_gemv(k, dtype, M, shape):
     _assert_linear_close(y.view(M, out_f), ref, mag, dtype, rel_w=rel_w)
 
 
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("M", (1, 5, 20))
+def test_gemv_misaligned_x(k, M):
+    """Activations 2 bytes off a 16-byte boundary (in % 8 == 0): the checked activation loads on every step."""
+    out_f, in_f, dtype = 70, 1024, torch.bfloat16
+    cb = fmt.nf_codebook(k)
+    g = torch.Generator().manual_seed(5 * M + k)
+    p, a, s = reference.quantize(torch.randn(out_f, in_f, generator=g), cb, k, "e4m4")
+    buf = torch.randn(M * in_f + 1, generator=g).to(dtype).cuda()
+    x = buf[1:].view(M, in_f)
+    assert x.data_ptr() % 16 != 0
+    ref, mag = _ref_linear64(x.cpu(), p, a, s, cb, k, in_f)
+    out = torch.full((M, out_f), float("nan"), dtype=dtype, device="cuda")
+    _cuda().linear_out(x, p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, in_f, None, out)
+    _assert_linear_close(out, ref, mag, dtype, rel_w=GEMV_REL_W[dtype])
+
+
 @pytest.mark.parametrize("k", (2, 4, 5))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("M", (9, 37, 300))
+@pytest.mark.parametrize("M", (9, 33, 300))
 def test_linear_large_m(k, dtype, M):
     out_f, in_f = 192, 520
     cb = fmt.nf_codebook(k)
@@ -246,7 +263,7 @@ def test_huge_tensor():
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 @pytest.mark.parametrize("absmax_format", fmt.ABSMAX_FORMATS)
 def test_gemv_scales_and_tails(k, dtype, absmax_format):
-    """Rows with tiny (subnormal e4m4) and large block scales, out % 16 != 0, in % 32 != 0, M = 1..8."""
+    """Rows with tiny (subnormal e4m4) and large block scales, out % 16 != 0, in % 32 != 0, M = 1..32."""
     out_f, in_f = 37, 1000
     cb = fmt.nf_codebook(k)
     g = torch.Generator().manual_seed(11 * k)
@@ -256,7 +273,7 @@ def test_gemv_scales_and_tails(k, dtype, absmax_format):
     w[5] *= 30
     w[6] = 0
     p, a, s = reference.quantize(w, cb, k, absmax_format)
-    for M in (1, 3, 8):
+    for M in (1, 3, 8, 12, 32):
         x = torch.randn(M, in_f, generator=g).to(dtype)
         ref, mag = _ref_linear64(x, p, a, s, cb, k, in_f)
         out = torch.full((M, out_f), float("nan"), dtype=dtype, device="cuda")
