@@ -439,12 +439,42 @@ __device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__
   }
 }
 
+// ---- activations of one step in shared memory (NT > 1) ----
+// A step's activations (8 blocks = 512 bytes per token) are copied once per row-group set (the RW warps of one k
+// split share them) with cp.async into a stage of 8 * NT token rows of XS_TOKEN bytes. 16-byte chunk c of a token
+// row (elements 8c .. 8c + 7; block c / 4) sits at chunk xs_chunk(c): swapping the halves of blocks 2, 3 (mod 4) and
+// the 16-byte token offset make the reads conflict-free (lanes g, g + 1 and q = 0..3 of a quarter warp read the
+// same chunk of blocks q + 4 ob: 8 distinct 16-byte bank groups).
+constexpr int XS_TOKEN = 528;  // 512 + 16
+__device__ __forceinline__ int xs_chunk(int c) { return c ^ ((c >> 2) & 2); }
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+// named barrier of the n threads of one k split (ids 1..8; 0 is __syncthreads)
+__device__ __forceinline__ void bar_group(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n)); }
+
+// stage the activations of tokens < M, columns 256 st .. 256 st + 255 (all inside the row, x 16-byte aligned)
+template <typename T, int NT>
+__device__ __forceinline__ void stage_x(unsigned char* xsm, const T* __restrict__ x, int64_t in, int M, int st,
+                                        int gl, int gn) {
+  for (int i = gl; i < 32 * M; i += gn) {
+    const int t = i >> 5, c = i & 31;
+    cp_async16(xsm + t * XS_TOKEN + xs_chunk(c) * 16, x + t * in + (int64_t)st * (STEP * BLOCK) + 8 * c);
+  }
+}
+
 // NT > 1 (M = 9..32): one step of NT token tiles. Each half of an owned row-block (16 elements) is decoded once
 // through the pair table (natural pair order, so the activations need no pairing) and feeds NT MMAs, one per tile of
-// 8 tokens; lane (g, q) loads the 16 activations of tokens g, g + 8, ... (rows xs apart; tokens >= M: zeros) at use.
-// Half blocks keep the decoded weights at 16 registers. xq / xr as in compute_step.
+// 8 tokens; lane (g, q) reads the 16 activations of tokens g, g + 8, ... from the staged step xsm (main loop) or
+// loads them (CHECK: xr = row of token g, rows xs apart; tokens >= M: zeros). Half blocks keep the decoded weights at
+// 16 registers.
 template <int K, typename T, bool CHECK, int NT>
-__device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restrict__ xr, const T* __restrict__ xq,
+__device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restrict__ xr, const unsigned char* xsm,
                                                 int64_t xs, int M, int g, int fp16, int b0, int q, int nb, int in,
                                                 uint32_t c4, const char* tb, float (&acc)[NT][4]) {
 #pragma unroll
@@ -463,10 +493,17 @@ __device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restric
       }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        const bool on = 8 * nt + g < M;
         uint32_t xw[8];
-        if constexpr (CHECK) load_x_half<T, true>(xr + 8 * nt * xs, on && blk < nb, blk, h, in, xw);
-        else load_x_half<T, false>(xq + 8 * nt * xs, on, 4 * ob, h, in, xw);
+        if constexpr (CHECK) {
+          load_x_half<T, true>(xr + 8 * nt * xs, 8 * nt + g < M && blk < nb, blk, h, in, xw);
+        } else {  // the step's activations in shared memory (see stage_x): two conflict-free 16-byte reads
+          const unsigned char* t = xsm + (8 * nt + g) * XS_TOKEN;
+          const int c = 4 * (q + 4 * ob) + 2 * h;
+          const uint4 u0 = *reinterpret_cast<const uint4*>(t + xs_chunk(c) * 16);
+          const uint4 u1 = *reinterpret_cast<const uint4*>(t + xs_chunk(c + 1) * 16);
+          xw[0] = u0.x; xw[1] = u0.y; xw[2] = u0.z; xw[3] = u0.w;
+          xw[4] = u1.x; xw[5] = u1.y; xw[6] = u1.z; xw[7] = u1.w;
+        }
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           const int lo = 8 * h + s, hi = lo + 4;
@@ -552,6 +589,22 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     load_step_p<K>(cur, pw0, pw1, pa0, pa1, fp16);
     pw0 += dw; pw1 += dw; pa0 += da; pa1 += da;
   }
+  // NT > 1: two activation stages per k split ([W][2][8 * NT][XS_TOKEN] bytes of dynamic shared memory), shared by
+  // the blockDim.y warps of that split (gl / gn: this thread's index / the thread count in the split)
+  extern __shared__ __align__(16) unsigned char xstage[];
+  constexpr int XS_STAGE = 8 * NT * XS_TOKEN;
+  unsigned char* xs0 = xstage + (size_t)warp * 2 * XS_STAGE;
+  const int gl = threadIdx.y * 32 + lane, gn = 32 * blockDim.y;
+  if constexpr (NT > 1) {
+    // token rows >= M are never staged: zero them once in both stages, so the MMA columns of absent tokens read 0
+    const int nz = (8 * NT - M) * (XS_TOKEN / 16);
+    for (int i = gl; i < 2 * nz; i += gn) {
+      const int s = i / nz, r = i % nz;
+      *reinterpret_cast<uint4*>(xs0 + s * XS_STAGE + M * XS_TOKEN + r * 16) = make_uint4(0u, 0u, 0u, 0u);
+    }
+    if (st < nfs) stage_x<T, NT>(xs0, xr, in, M, st, gl, gn);
+    cp_async_commit();
+  }
   uint32_t tl[4] = {0u, 0u, 0u, 0u}, th[4] = {0u, 0u, 0u, 0u};
   if constexpr (MODE != 0) {
     // codebook (times PRE, in the activation dtype) as byte planes in registers: tl[n] / th[n] byte b = low / high
@@ -587,18 +640,28 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   if (st < nfs) {
+    int it = 0;
 #pragma unroll 1
-    for (; st < nfs; st += W) {
+    for (; st < nfs; st += W, ++it) {
       Buf nxt;
       if (st + W < nfs) {
         load_step_p<K>(nxt, pw0, pw1, pa0, pa1, fp16);
         pw0 += dw; pw1 += dw; pa0 += da; pa1 += da;
       }
-      if constexpr (NT == 1)
+      if constexpr (NT == 1) {
         compute_step<K, T, false, MODE>(cur, xg, xq, xon, fp16, st * STEP, q, nb, in, c4, tb, tl, th, acc[0]);
-      else
-        compute_step_nt<K, T, false, NT>(cur, xg, xq, in, M, g, fp16, st * STEP, q, nb, in, c4, tb, acc);
-      xq += dx;
+        xq += dx;
+      } else {
+        // stage the next step's activations into the other buffer (its readers passed the barrier at the end of the
+        // previous step), wait for this step's, compute, and let the split's warps finish reading before the restage
+        if (st + W < nfs) stage_x<T, NT>(xs0 + ((it + 1) & 1) * XS_STAGE, xr, in, M, st + W, gl, gn);
+        cp_async_commit();
+        cp_async_wait<1>();
+        bar_group(1 + warp, gn);
+        compute_step_nt<K, T, false, NT>(cur, xg, xs0 + (it & 1) * XS_STAGE, in, M, g, fp16, st * STEP, q, nb, in,
+                                         c4, tb, acc);
+        bar_group(1 + warp, gn);
+      }
       cur = nxt;
     }
   }
@@ -609,7 +672,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     if constexpr (NT == 1)
       compute_step<K, T, true, MODE>(tb2, xg, xg, xon, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th, acc[0]);
     else
-      compute_step_nt<K, T, true, NT>(tb2, xg, xg, in, M, g, fp16, s2 * STEP, q, nb, in, c4, tb, acc);
+      compute_step_nt<K, T, true, NT>(tb2, xg, nullptr, in, M, g, fp16, s2 * STEP, q, nb, in, c4, tb, acc);
   }
 
   // reduce the W k-split warps' tiles in a fixed order (NT > 1: the table's space, once every warp is done with it)
@@ -664,7 +727,7 @@ inline GemvCfg parse_gemv_cfg(const char* v) {
 }
 
 // M = 9..32: token tiles (NT = 2 or 4), the table decode, RW row groups x KW k-split warps per CTA. Benchmark knob
-// (read once): KBIT_GEMM_TILE=<RW>x<KW>, RW in 1, 2, 4, 8, KW in 1, 2, 4, 8, RW * KW <= 8.
+// (read once): KBIT_GEMM_TILE=<RW>x<KW>, RW in 1, 2, 4, 8, KW in 1, 2, 4, 8, RW * KW <= 8, KW * NT <= 16.
 template <int K, typename T, int NT>
 int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absmax, int fp16, const float* scale,
               const float* cb, int64_t out, int64_t in, int64_t nb, int vec, const void* bias, void* y,
@@ -684,11 +747,23 @@ int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absm
     return v ? atoi(v) : 0;
   }();
   int RW = 4, KW = 2;
-  if (tile_env) { RW = tile_env / 16; KW = tile_env % 16; }
+  if (tile_env && (tile_env % 16) * NT <= 16) { RW = tile_env / 16; KW = tile_env % 16; }
   const int64_t tiles = (out + TILE * RW - 1) / (TILE * RW);
   if (tiles > 0x7FFFFFFF || in > (int64_t)1 << 30) return (int)cudaErrorInvalidConfiguration;
   auto kern = nreg_env == 128 ? gemv_kernel<K, T, 0, 128, NT> : gemv_kernel<K, T, 0, 168, NT>;
-  kern<<<dim3((unsigned)tiles), dim3(KW * 32, RW), 0, st>>>(
+  // activation stages: 2 per k split, 33 KB per split at NT = 4 (KW * NT <= 16: at most 132 KB); the opt-in limit is
+  // set once per kernel and device
+  const int dyn = KW * 2 * 8 * NT * XS_TOKEN;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return (int)cudaErrorInvalidDevice;
+  static bool attr_set[2][64] = {};
+  bool& done = attr_set[nreg_env == 128 ? 0 : 1][dev];
+  if (!done) {
+    const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, 16 * 2 * 8 * XS_TOKEN);
+    if (e != cudaSuccess) return (int)e;
+    done = true;
+  }
+  kern<<<dim3((unsigned)tiles), dim3(KW * 32, RW), dyn, st>>>(
       reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb, reinterpret_cast<const T*>(bias),
       reinterpret_cast<T*>(y), out, (int)in, (int)nb, nullptr, 1, vec);
   return (int)cudaGetLastError();
