@@ -746,7 +746,17 @@ int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absm
     const char* v = getenv("KBIT_GEMM_NREG");
     return v ? atoi(v) : 0;
   }();
-  int RW = 4, KW = 2;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return (int)cudaErrorInvalidDevice;
+  static int sms[64] = {};
+  if (sms[dev] == 0 && cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return (int)cudaErrorInvalidDevice;
+  // Default tile (H100, docs/kernels.md "token tiles"): 64-row CTAs for long output dimensions, 32 otherwise, and
+  // the fewest k splits that give at least 6 warps per SM: long runs of steps per warp beat more, shorter warps.
+  int RW = out >= 8192 ? 4 : 2, KW = 1;
+  while (KW * 2 * NT <= 16 && RW * KW * 2 <= MAX_WARPS &&
+         ((out + TILE * RW - 1) / (TILE * RW)) * RW * KW < 6 * (int64_t)sms[dev])
+    KW *= 2;
   if (tile_env && (tile_env % 16) * NT <= 16) { RW = tile_env / 16; KW = tile_env % 16; }
   const int64_t tiles = (out + TILE * RW - 1) / (TILE * RW);
   if (tiles > 0x7FFFFFFF || in > (int64_t)1 << 30) return (int)cudaErrorInvalidConfiguration;
@@ -754,8 +764,6 @@ int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absm
   // activation stages: 2 per k split, 33 KB per split at NT = 4 (KW * NT <= 16: at most 132 KB); the opt-in limit is
   // set once per kernel and device
   const int dyn = KW * 2 * 8 * NT * XS_TOKEN;
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return (int)cudaErrorInvalidDevice;
   static bool attr_set[2][64] = {};
   bool& done = attr_set[nreg_env == 128 ? 0 : 1][dev];
   if (!done) {
