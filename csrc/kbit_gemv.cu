@@ -31,6 +31,9 @@
 //     it measured faster than either alone for K = 4.
 //   The block scale is applied to each pair with one HMUL2 (bf16x2 / f16x2); e4m4 scales decode exactly as
 //   uint_as_float(code << 19) * 2^116.
+// - Token tiles (M = 9..32, template NT = 2 or 4 tiles of 8 tokens; docs/kernels.md "Token tiles"): the table decode,
+//   each half row-block decoded once for NT MMAs; the CTA is blockDim.y row groups x blockDim.x / 32 k-split warps,
+//   and the row groups of one split share each step's activations through two cp.async stages in shared memory.
 // - Numerics (all modes, bitwise the same weight values as v2): the MMA needs the weights in the activation dtype,
 //   so cb is rounded to bf16/fp16, the block scale to bf16 (exact for e4m4 scales) and the product cb * d once more;
 //   for fp16, cb and d are pre-multiplied by 16 each (the fp16 product cb*d*256 stays normal for every e4m4 scale)
@@ -296,51 +299,24 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t sc, int fp16) {
   return Mma<T>::pack(d, d);
 }
 
-// the 32 activations of block blk of one token as 16 pairs; CHECK: element-wise bounds (and any alignment)
-template <typename T, bool CHECK>
-__device__ __forceinline__ void load_x(const T* __restrict__ xr, bool on, int blk, int in, uint32_t (&xw)[16]) {
+// N pairs of activations of one token from element c0 on: xw[i] = elements (c0 + 2i, c0 + 2i + 1) (N = 16: a whole
+// block, 8: a half); on == false: zeros. CHECK: element-wise bounds (and any alignment), else 16-byte loads.
+template <typename T, bool CHECK, int N>
+__device__ __forceinline__ void load_x(const T* __restrict__ xr, bool on, int c0, int in, uint32_t (&xw)[N]) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) xw[i] = 0u;
+  for (int i = 0; i < N; ++i) xw[i] = 0u;
   if (!on) return;
-  const int c0 = blk * BLOCK;
   if (!CHECK) {
     const uint4* p = reinterpret_cast<const uint4*>(xr + c0);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < N / 4; ++i) {
       const uint4 v = __ldg(p + i);
       xw[4 * i] = v.x; xw[4 * i + 1] = v.y; xw[4 * i + 2] = v.z; xw[4 * i + 3] = v.w;
     }
   } else {
     const unsigned short* xs = reinterpret_cast<const unsigned short*>(xr);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      const int c = c0 + 2 * i;
-      const uint32_t lo = c < in ? xs[c] : 0u;
-      const uint32_t hi = c + 1 < in ? xs[c + 1] : 0u;
-      xw[i] = lo | (hi << 16);
-    }
-  }
-}
-
-// half h of load_x: xw[i] = pair 8h + i (elements 16h + 2i, 16h + 2i + 1)
-template <typename T, bool CHECK>
-__device__ __forceinline__ void load_x_half(const T* __restrict__ xr, bool on, int blk, int h, int in,
-                                            uint32_t (&xw)[8]) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) xw[i] = 0u;
-  if (!on) return;
-  const int c0 = blk * BLOCK + 16 * h;
-  if (!CHECK) {
-    const uint4* p = reinterpret_cast<const uint4*>(xr + c0);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const uint4 v = __ldg(p + i);
-      xw[4 * i] = v.x; xw[4 * i + 1] = v.y; xw[4 * i + 2] = v.z; xw[4 * i + 3] = v.w;
-    }
-  } else {
-    const unsigned short* xs = reinterpret_cast<const unsigned short*>(xr);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < N; ++i) {
       const int c = c0 + 2 * i;
       const uint32_t lo = c < in ? xs[c] : 0u;
       const uint32_t hi = c + 1 < in ? xs[c + 1] : 0u;
@@ -397,8 +373,8 @@ __device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__
   for (int ob = 0; ob < 2; ++ob) {
     const int blk = b0 + q + 4 * ob;
     uint32_t xw[16];
-    if constexpr (CHECK) load_x<T, true>(xr, xon && blk < nb, blk, in, xw);
-    else load_x<T, false>(xq, xon, 4 * ob, in, xw);
+    if constexpr (CHECK) load_x<T, true>(xr, xon && blk < nb, blk * BLOCK, in, xw);
+    else load_x<T, false>(xq, xon, 4 * ob * BLOCK, in, xw);
     uint32_t ag[16], ah[16];
     if (MODE == 1 || (MODE == 2 && ob == 0)) {  // constant after unrolling
       // weights come as pairs (e, e + 4) (see decode_reg): pair the activations the same way
@@ -495,7 +471,7 @@ __device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restric
       for (int nt = 0; nt < NT; ++nt) {
         uint32_t xw[8];
         if constexpr (CHECK) {
-          load_x_half<T, true>(xr + 8 * nt * xs, 8 * nt + g < M && blk < nb, blk, h, in, xw);
+          load_x<T, true>(xr + 8 * nt * xs, 8 * nt + g < M && blk < nb, blk * BLOCK + 16 * h, in, xw);
         } else {  // the step's activations in shared memory (see stage_x): two conflict-free 16-byte reads
           const unsigned char* t = xsm + (8 * nt + g) * XS_TOKEN;
           const int c = 4 * (q + 4 * ob) + 2 * h;
