@@ -31,8 +31,8 @@
 //     it measured faster than either alone for K = 4.
 //   The block scale is applied to each pair with one HMUL2 (bf16x2 / f16x2); e4m4 scales decode exactly as
 //   uint_as_float(code << 19) * 2^116.
-// - Token tiles (M = 9..32, template NT = 2 or 4 tiles of 8 tokens; docs/kernels.md "Token tiles"): the table decode,
-//   each half row-block decoded once for NT MMAs; the CTA is blockDim.y row groups x blockDim.x / 32 k-split warps,
+// - Token tiles (M = 9..32, template NT = 2 or 4 tiles of 8 tokens; docs/kernels.md "Token tiles"): the same decode
+//   modes, each half row-block decoded once for NT MMAs (register decode: the activations paired by PRMT); the CTA is blockDim.y row groups x blockDim.x / 32 k-split warps,
 //   and the row groups of one split share each step's activations through two cp.async stages in shared memory.
 // - Numerics (all modes, bitwise the same weight values as v2): the MMA needs the weights in the activation dtype,
 //   so cb is rounded to bf16/fp16, the block scale to bf16 (exact for e4m4 scales) and the product cb * d once more;
@@ -45,6 +45,7 @@
 
 #include <cuda_runtime.h>
 #include <cstdlib>
+#include <cstring>
 
 using namespace kbit;
 
@@ -444,47 +445,82 @@ __device__ __forceinline__ void stage_x(unsigned char* xsm, const T* __restrict_
   }
 }
 
-// NT > 1 (M = 9..32): one step of NT token tiles. Each half of an owned row-block (16 elements) is decoded once
-// through the pair table (natural pair order, so the activations need no pairing) and feeds NT MMAs, one per tile of
-// 8 tokens; lane (g, q) reads the 16 activations of tokens g, g + 8, ... from the staged step xsm (main loop) or
-// loads them (CHECK: xr = row of token g, rows xs apart; tokens >= M: zeros). Half blocks keep the decoded weights at
-// 16 registers.
-template <int K, typename T, bool CHECK, int NT>
+// NT > 1 (M = 9..32): one step of NT token tiles. Each half of an owned row-block (16 elements) is decoded once and
+// feeds NT MMAs, one per tile of 8 tokens: through the pair table (MODE 0, and the second owned block in MODE 2;
+// natural pair order) or group by group in registers (MODE 1, the first block in MODE 2; pairs (e, e + 4), so the
+// activations are paired by PRMT per token tile, as in compute_step). Lane (g, q) reads the 16 activations of tokens
+// g, g + 8, ... from the staged step xsm (main loop) or loads them (CHECK: xr = row of token g, rows xs apart; tokens
+// >= M: zeros).
+template <int K, typename T, bool CHECK, int NT, int MODE>
 __device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restrict__ xr, const unsigned char* xsm,
                                                 int64_t xs, int M, int g, int fp16, int b0, int q, int nb, int in,
-                                                uint32_t c4, const char* tb, float (&acc)[NT][4]) {
+                                                uint32_t c4, const char* tb, const uint32_t (&tl)[4],
+                                                const uint32_t (&th)[4], float (&acc)[NT][4]) {
 #pragma unroll
   for (int ob = 0; ob < 2; ++ob) {
     const int blk = b0 + q + 4 * ob;
     const uint32_t dg = scale_pair<T>(b.sc[ob][0], fp16), dh = scale_pair<T>(b.sc[ob][1], fp16);
+    const bool reg = MODE == 1 || (MODE == 2 && ob == 0);  // constant after unrolling, as in compute_step
+    uint32_t Qg[4], mg[4], Qh[4], mh[4];
+    if (reg) {
+      reg_selectors<K>(b.w[ob][0], Qg, mg);
+      reg_selectors<K>(b.w[ob][1], Qh, mh);
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      uint32_t ag[16], ah[16];
-      if (h == 0) {
-        decode_block<K, T, 0>(b.w[ob][0], dg, c4, tb, ag);
-        decode_block<K, T, 0>(b.w[ob][1], dh, c4, tb, ah);
-      } else {
-        decode_block<K, T, 1>(b.w[ob][0], dg, c4, tb, ag);
-        decode_block<K, T, 1>(b.w[ob][1], dh, c4, tb, ah);
-      }
+      // the 16 activations of half h for every token tile: xw[nt][i] = elements (16h + 2i, 16h + 2i + 1)
+      uint32_t xw[NT][8];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        uint32_t xw[8];
         if constexpr (CHECK) {
-          load_x<T, true>(xr + 8 * nt * xs, 8 * nt + g < M && blk < nb, blk * BLOCK + 16 * h, in, xw);
+          load_x<T, true>(xr + 8 * nt * xs, 8 * nt + g < M && blk < nb, blk * BLOCK + 16 * h, in, xw[nt]);
         } else {  // the step's activations in shared memory (see stage_x): two conflict-free 16-byte reads
           const unsigned char* t = xsm + (8 * nt + g) * XS_TOKEN;
           const int c = 4 * (q + 4 * ob) + 2 * h;
           const uint4 u0 = *reinterpret_cast<const uint4*>(t + xs_chunk(c) * 16);
           const uint4 u1 = *reinterpret_cast<const uint4*>(t + xs_chunk(c + 1) * 16);
-          xw[0] = u0.x; xw[1] = u0.y; xw[2] = u0.z; xw[3] = u0.w;
-          xw[4] = u1.x; xw[5] = u1.y; xw[6] = u1.z; xw[7] = u1.w;
+          xw[nt][0] = u0.x; xw[nt][1] = u0.y; xw[nt][2] = u0.z; xw[nt][3] = u0.w;
+          xw[nt][4] = u1.x; xw[nt][5] = u1.y; xw[nt][6] = u1.z; xw[nt][7] = u1.w;
+        }
+      }
+      if (reg) {
+        // register decode: group e gives the pairs (e, e + 4), (e + 8, e + 12) of half h; the activations are paired
+        // the same way with one PRMT per pair and token tile
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          uint32_t g0, g1, h0, h1;
+          if (h == 0) {
+            reg_group<K, 0>(Qg[e], mg[e], tl, th, g0, g1);
+            reg_group<K, 0>(Qh[e], mh[e], tl, th, h0, h1);
+          } else {
+            reg_group<K, 1>(Qg[e], mg[e], tl, th, g0, g1);
+            reg_group<K, 1>(Qh[e], mh[e], tl, th, h0, h1);
+          }
+          g0 = Mma<T>::mul2(g0, dg); g1 = Mma<T>::mul2(g1, dg);
+          h0 = Mma<T>::mul2(h0, dh); h1 = Mma<T>::mul2(h1, dh);
+          const int i0 = e >> 1;
+          const uint32_t sel = (e & 1) ? 0x7632u : 0x5410u;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            Mma<T>::run(acc[nt], g0, h0, g1, h1, prmt(xw[nt][i0], xw[nt][i0 + 2], sel),
+                        prmt(xw[nt][i0 + 4], xw[nt][i0 + 6], sel));
+        }
+      } else {
+        uint32_t ag[16], ah[16];
+        if (h == 0) {
+          decode_block<K, T, 0>(b.w[ob][0], dg, c4, tb, ag);
+          decode_block<K, T, 0>(b.w[ob][1], dh, c4, tb, ah);
+        } else {
+          decode_block<K, T, 1>(b.w[ob][0], dg, c4, tb, ag);
+          decode_block<K, T, 1>(b.w[ob][1], dh, c4, tb, ah);
         }
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          const int lo = 8 * h + s, hi = lo + 4;
-          Mma<T>::run(acc[nt], ag[lo], ah[lo], ag[hi], ah[hi], xw[s], xw[s + 4]);
-        }
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+            const int lo = 8 * h + s, hi = lo + 4;
+            Mma<T>::run(acc[nt], ag[lo], ah[lo], ag[hi], ah[hi], xw[nt][s], xw[nt][s + 4]);
+          }
       }
     }
   }
@@ -492,7 +528,7 @@ __device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restric
 
 // x rows: x + m * in (m < M). ids != nullptr: expert mode (M == 1), token n = blockIdx.y, expert ids[n].
 // NREG: register cap (128 = 2 CTAs of 8 warps / 4 of 4 warps per SM; 96: 5 CTAs of 4 warps; 80: 6 of 4, 3 of 8)
-// NT: token tiles of 8 (M <= 8 * NT; NT > 1 only with MODE 0). The CTA is blockDim.y row groups (16 rows each: tile
+// NT: token tiles of 8 (M <= 8 * NT). The CTA is blockDim.y row groups (16 rows each: tile
 // blockIdx.x * blockDim.y + threadIdx.y) x blockDim.x / 32 warps splitting the input dimension; the row groups of a
 // CTA walk the same steps, so their activation loads hit L1 (the activations are read by every row tile: at M = 32
 // that is 256 KB per tile for in = 4096, so more rows per CTA means less L2 traffic).
@@ -502,7 +538,6 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     const float* __restrict__ scale, const float* __restrict__ codebook, const T* __restrict__ bias,
     T* __restrict__ y, int64_t out, int in, int nb, const int64_t* __restrict__ ids, int64_t E, int vec) {
   using C = Cfg<K>;
-  static_assert(NT == 1 || MODE == 0, "token tiles use the table decode");
   // pair table (modes 0, 2) and the cross-warp reduction; with NT > 1 the reduction reuses the table's space
   constexpr int TBL_WORDS = MODE == 1 ? 4 : C::WORDS;
   constexpr int RED_WORDS = MAX_WARPS * 4 * NT * 32;
@@ -634,8 +669,8 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
         cp_async_commit();
         cp_async_wait<1>();
         bar_group(1 + warp, gn);
-        compute_step_nt<K, T, false, NT>(cur, xg, xs0 + (it & 1) * XS_STAGE, in, M, g, fp16, st * STEP, q, nb, in,
-                                         c4, tb, acc);
+        compute_step_nt<K, T, false, NT, MODE>(cur, xg, xs0 + (it & 1) * XS_STAGE, in, M, g, fp16, st * STEP, q,
+                                               nb, in, c4, tb, tl, th, acc);
         bar_group(1 + warp, gn);
       }
       cur = nxt;
@@ -648,7 +683,8 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     if constexpr (NT == 1)
       compute_step<K, T, true, MODE>(tb2, xg, xg, xon, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th, acc[0]);
     else
-      compute_step_nt<K, T, true, NT>(tb2, xg, nullptr, in, M, g, fp16, s2 * STEP, q, nb, in, c4, tb, acc);
+      compute_step_nt<K, T, true, NT, MODE>(tb2, xg, nullptr, in, M, g, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th,
+                                            acc);
   }
 
   // reduce the W k-split warps' tiles in a fixed order (NT > 1: the table's space, once every warp is done with it)
@@ -702,8 +738,10 @@ inline GemvCfg parse_gemv_cfg(const char* v) {
   return c;
 }
 
-// M = 9..32: token tiles (NT = 2 or 4), the table decode, RW row groups x KW k-split warps per CTA. Benchmark knob
-// (read once): KBIT_GEMM_TILE=<RW>x<KW>, RW in 1, 2, 4, 8, KW in 1, 2, 4, 8, RW * KW <= 8, KW * NT <= 16.
+// M = 9..32: token tiles (NT = 2 or 4), RW row groups x KW k-split warps per CTA, register cap 168 (no spills), the
+// decode mode of M <= 8 (K = 2, 3 registers, K = 4 hybrid, K = 5 table). Benchmark knobs (read once):
+// KBIT_GEMM_TILE=<RW>x<KW>, RW in 1, 2, 4, 8, KW in 1, 2, 4, 8, RW * KW <= 8, KW * NT <= 16; KBIT_GEMM_DECODE=table
+// (the pair table for every K).
 template <int K, typename T, int NT>
 int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absmax, int fp16, const float* scale,
               const float* cb, int64_t out, int64_t in, int64_t nb, int vec, const void* bias, void* y,
@@ -718,9 +756,9 @@ int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absm
     const bool ok = (r == 1 || r == 2 || r == 4 || r == 8) && (k == 1 || k == 2 || k == 4 || k == 8) && r * k <= 8;
     return ok ? r * 16 + k : 0;
   }();
-  static const int nreg_env = [] {  // KBIT_GEMM_NREG = 128 or 168: register cap
-    const char* v = getenv("KBIT_GEMM_NREG");
-    return v ? atoi(v) : 0;
+  static const bool table_env = [] {
+    const char* v = getenv("KBIT_GEMM_DECODE");
+    return v != nullptr && strcmp(v, "table") == 0;
   }();
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return (int)cudaErrorInvalidDevice;
@@ -736,12 +774,13 @@ int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absm
   if (tile_env && (tile_env % 16) * NT <= 16) { RW = tile_env / 16; KW = tile_env % 16; }
   const int64_t tiles = (out + TILE * RW - 1) / (TILE * RW);
   if (tiles > 0x7FFFFFFF || in > (int64_t)1 << 30) return (int)cudaErrorInvalidConfiguration;
-  auto kern = nreg_env == 128 ? gemv_kernel<K, T, 0, 128, NT> : gemv_kernel<K, T, 0, 168, NT>;
+  constexpr int kMode = K == 5 ? 0 : K == 4 ? 2 : 1;
+  auto kern = table_env ? gemv_kernel<K, T, 0, 168, NT> : gemv_kernel<K, T, kMode, 168, NT>;
   // activation stages: 2 per k split, 33 KB per split at NT = 4 (KW * NT <= 16: at most 132 KB); the opt-in limit is
   // set once per kernel and device
   const int dyn = KW * 2 * 8 * NT * XS_TOKEN;
   static bool attr_set[2][64] = {};
-  bool& done = attr_set[nreg_env == 128 ? 0 : 1][dev];
+  bool& done = attr_set[table_env ? 0 : 1][dev];
   if (!done) {
     const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, 16 * 2 * 8 * XS_TOKEN);
     if (e != cudaSuccess) return (int)e;
