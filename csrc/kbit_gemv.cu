@@ -246,6 +246,20 @@ __host__ __device__ __forceinline__ void reg_group(uint32_t Qe, uint32_t me, con
   a1 = prmt(lo, hi, 0x7362u);
 }
 
+// group (h, e) of rows g (g0, g1) and g + 8 (h0, h1); h is a constant after unrolling
+template <int K>
+__device__ __forceinline__ void reg_group_rows(int h, uint32_t Qg, uint32_t mg, uint32_t Qh, uint32_t mh,
+                                               const uint32_t (&tl)[4], const uint32_t (&th)[4], uint32_t& g0,
+                                               uint32_t& g1, uint32_t& h0, uint32_t& h1) {
+  if (h == 0) {
+    reg_group<K, 0>(Qg, mg, tl, th, g0, g1);
+    reg_group<K, 0>(Qh, mh, tl, th, h0, h1);
+  } else {
+    reg_group<K, 1>(Qg, mg, tl, th, g0, g1);
+    reg_group<K, 1>(Qh, mh, tl, th, h0, h1);
+  }
+}
+
 // whole row-block (host self-test): a[8h + 2e + t] = elements (16h + e + 8t, 16h + e + 8t + 4)
 // K = 5 instantiates the register path (modes are run-time constants per kernel) but never runs it: it uses mode 0
 template <int K>
@@ -392,13 +406,7 @@ __device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__
           const uint32_t sel = (e & 1) ? 0x7632u : 0x5410u;
           const uint32_t x0 = prmt(xw[i0], xw[i0 + 2], sel), x1 = prmt(xw[i0 + 4], xw[i0 + 6], sel);
           uint32_t g0, g1, h0, h1;
-          if (h == 0) {
-            reg_group<K, 0>(Qg[e], mg[e], tl, th, g0, g1);
-            reg_group<K, 0>(Qh[e], mh[e], tl, th, h0, h1);
-          } else {
-            reg_group<K, 1>(Qg[e], mg[e], tl, th, g0, g1);
-            reg_group<K, 1>(Qh[e], mh[e], tl, th, h0, h1);
-          }
+          reg_group_rows<K>(h, Qg[e], mg[e], Qh[e], mh[e], tl, th, g0, g1, h0, h1);
           Mma<T>::run(acc, Mma<T>::mul2(g0, dg), Mma<T>::mul2(h0, dh), Mma<T>::mul2(g1, dg), Mma<T>::mul2(h1, dh),
                       x0, x1);
         }
@@ -489,13 +497,7 @@ __device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restric
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           uint32_t g0, g1, h0, h1;
-          if (h == 0) {
-            reg_group<K, 0>(Qg[e], mg[e], tl, th, g0, g1);
-            reg_group<K, 0>(Qh[e], mh[e], tl, th, h0, h1);
-          } else {
-            reg_group<K, 1>(Qg[e], mg[e], tl, th, g0, g1);
-            reg_group<K, 1>(Qh[e], mh[e], tl, th, h0, h1);
-          }
+          reg_group_rows<K>(h, Qg[e], mg[e], Qh[e], mh[e], tl, th, g0, g1, h0, h1);
           g0 = Mma<T>::mul2(g0, dg); g1 = Mma<T>::mul2(g1, dg);
           h0 = Mma<T>::mul2(h0, dh); h1 = Mma<T>::mul2(h1, dh);
           const int i0 = e >> 1;
