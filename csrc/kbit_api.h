@@ -29,7 +29,7 @@ KBIT_API int kbit_dequantize(const uint32_t* packed, const void* absmax, int abs
                              const float* codebook, int k, int64_t E, int64_t out, int64_t in, void* y,
                              int y_dtype, void* stream);
 
-/* fused dequant-GEMV: y[m, o] = sum_i x[m, i] * W[o, i] (+ bias[o]), m < M, 1 <= M <= 32, x/bias/y in x_dtype
+/* fused dequant-GEMV: y[m, o] = sum_i x[m, i] * W[o, i] (+ bias[o]), m < M, 1 <= M <= 64, x/bias/y in x_dtype
  * (float16 or bfloat16), fp32 accumulation. E == 1 (packed [out, nb*k]). */
 KBIT_API int kbit_gemv(const void* x, int x_dtype, int64_t M, const uint32_t* packed, const void* absmax,
                        int absmax_fp16, const float* scale, const float* codebook, int k, int64_t out, int64_t in,

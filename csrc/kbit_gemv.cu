@@ -1,4 +1,4 @@
-// kbit_gemv.cu: fused dequantize + GEMV for the decode path (M = 1..32 activation rows, fp16/bf16, fp32 accumulate)
+// kbit_gemv.cu: fused dequantize + GEMV for the decode path (M = 1..64 activation rows, fp16/bf16, fp32 accumulate)
 // on the tensor cores (mma.sync m16n8k16, sm_80+), and the grouped (per-row expert) GEMV used by KbitMoE.
 //
 // v6 design (see docs/kernels.md, "GEMV v6", for the measurements):
@@ -31,8 +31,8 @@
 //     it measured faster than either alone for K = 4.
 //   The block scale is applied to each pair with one HMUL2 (bf16x2 / f16x2); e4m4 scales decode exactly as
 //   uint_as_float(code << 19) * 2^116.
-// - Token tiles (M = 9..32, template NT = 2 or 4 tiles of 8 tokens; docs/kernels.md "Token tiles"): the same decode
-//   modes, each half row-block decoded once for NT MMAs (register decode: the activations paired by PRMT); the CTA is blockDim.y row groups x blockDim.x / 32 k-split warps,
+// - Token tiles (M = 9..64, template NT = 2, 4 or 8 tiles of 8 tokens; docs/kernels.md "Token tiles"): the same decode
+//   modes (NT = 8: the table), each half row-block decoded once for NT MMAs (register decode: the activations paired by PRMT); the CTA is blockDim.y row groups x blockDim.x / 32 k-split warps,
 //   and the row groups of one split share each step's activations through two cp.async stages in shared memory.
 // - Numerics (all modes, bitwise the same weight values as v2): the MMA needs the weights in the activation dtype,
 //   so cb is rounded to bf16/fp16, the block scale to bf16 (exact for e4m4 scales) and the product cb * d once more;
@@ -54,7 +54,7 @@ namespace {
 constexpr int TILE = 16;        // output rows per CTA
 constexpr int STEP = 8;         // 32-element blocks per warp step
 constexpr int MAX_WARPS = 8;
-constexpr int MAX_M = 32;       // activation rows of the fused kernel (more: dequantize + cuBLAS)
+constexpr int MAX_M = 64;       // activation rows of the fused kernel (more: dequantize + cuBLAS)
 
 template <int K>
 struct Cfg {
@@ -453,7 +453,7 @@ __device__ __forceinline__ void stage_x(unsigned char* xsm, const T* __restrict_
   }
 }
 
-// NT > 1 (M = 9..32): one step of NT token tiles. Each half of an owned row-block (16 elements) is decoded once and
+// NT > 1 (M = 9..64): one step of NT token tiles. Each half of an owned row-block (16 elements) is decoded once and
 // feeds NT MMAs, one per tile of 8 tokens: through the pair table (MODE 0, and the second owned block in MODE 2;
 // natural pair order) or group by group in registers (MODE 1, the first block in MODE 2; pairs (e, e + 4), so the
 // activations are paired by PRMT per token tile, as in compute_step). Lane (g, q) reads the 16 activations of tokens
@@ -476,24 +476,25 @@ __device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restric
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      // the 16 activations of half h for every token tile: xw[nt][i] = elements (16h + 2i, 16h + 2i + 1)
-      uint32_t xw[NT][8];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
+      // the 16 activations of half h of token tile nt: xw[i] = elements (16h + 2i, 16h + 2i + 1)
+      auto half_x = [&](int nt, uint32_t(&xw)[8]) {
         if constexpr (CHECK) {
-          load_x<T, true>(xr + 8 * nt * xs, 8 * nt + g < M && blk < nb, blk * BLOCK + 16 * h, in, xw[nt]);
+          load_x<T, true>(xr + 8 * nt * xs, 8 * nt + g < M && blk < nb, blk * BLOCK + 16 * h, in, xw);
         } else {  // the step's activations in shared memory (see stage_x): two conflict-free 16-byte reads
           const unsigned char* t = xsm + (8 * nt + g) * XS_TOKEN;
           const int c = 4 * (q + 4 * ob) + 2 * h;
           const uint4 u0 = *reinterpret_cast<const uint4*>(t + xs_chunk(c) * 16);
           const uint4 u1 = *reinterpret_cast<const uint4*>(t + xs_chunk(c + 1) * 16);
-          xw[nt][0] = u0.x; xw[nt][1] = u0.y; xw[nt][2] = u0.z; xw[nt][3] = u0.w;
-          xw[nt][4] = u1.x; xw[nt][5] = u1.y; xw[nt][6] = u1.z; xw[nt][7] = u1.w;
+          xw[0] = u0.x; xw[1] = u0.y; xw[2] = u0.z; xw[3] = u0.w;
+          xw[4] = u1.x; xw[5] = u1.y; xw[6] = u1.z; xw[7] = u1.w;
         }
-      }
+      };
       if (reg) {
-        // register decode: group e gives the pairs (e, e + 4), (e + 8, e + 12) of half h; the activations are paired
-        // the same way with one PRMT per pair and token tile
+        // register decode: group e gives the pairs (e, e + 4), (e + 8, e + 12) of half h; the activations of every
+        // token tile are paired the same way with one PRMT per pair
+        uint32_t xw[NT][8];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) half_x(nt, xw[nt]);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           uint32_t g0, g1, h0, h1;
@@ -517,12 +518,15 @@ __device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restric
           decode_block<K, T, 1>(b.w[ob][1], dh, c4, tb, ah);
         }
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt) {
+          uint32_t xw[8];
+          half_x(nt, xw);
 #pragma unroll
           for (int s = 0; s < 4; ++s) {
             const int lo = 8 * h + s, hi = lo + 4;
-            Mma<T>::run(acc[nt], ag[lo], ah[lo], ag[hi], ah[hi], xw[nt][s], xw[nt][s + 4]);
+            Mma<T>::run(acc[nt], ag[lo], ah[lo], ag[hi], ah[hi], xw[s], xw[s + 4]);
           }
+        }
       }
     }
   }
@@ -740,7 +744,7 @@ inline GemvCfg parse_gemv_cfg(const char* v) {
   return c;
 }
 
-// M = 9..32: token tiles (NT = 2 or 4), RW row groups x KW k-split warps per CTA, register cap 168 (no spills), the
+// M = 9..64: token tiles (NT = 2, 4 or 8), RW row groups x KW k-split warps per CTA, register cap 168 (NT = 8: 216), the
 // decode mode of M <= 8 (K = 2, 3 registers, K = 4 hybrid, K = 5 table). Benchmark knobs (read once):
 // KBIT_GEMM_TILE=<RW>x<KW>, RW in 1, 2, 4, 8, KW in 1, 2, 4, 8, RW * KW <= 8, KW * NT <= 16; KBIT_GEMM_DECODE=table
 // (the pair table for every K).
@@ -776,8 +780,10 @@ int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absm
   if (tile_env && (tile_env % 16) * NT <= 16) { RW = tile_env / 16; KW = tile_env % 16; }
   const int64_t tiles = (out + TILE * RW - 1) / (TILE * RW);
   if (tiles > 0x7FFFFFFF || in > (int64_t)1 << 30) return (int)cudaErrorInvalidConfiguration;
-  constexpr int kMode = K == 5 ? 0 : K == 4 ? 2 : 1;
-  auto kern = table_env ? gemv_kernel<K, T, 0, 168, NT> : gemv_kernel<K, T, kMode, 168, NT>;
+  // NT = 8 decodes through the table: the register decode would hold all 8 tiles' activations (64 registers)
+  constexpr int kMode = (K == 5 || NT == 8) ? 0 : K == 4 ? 2 : 1;
+  constexpr int kRegs = NT == 8 ? 216 : 168;  // no spills (ptxas -v)
+  auto kern = table_env ? gemv_kernel<K, T, 0, kRegs, NT> : gemv_kernel<K, T, kMode, kRegs, NT>;
   // activation stages: 2 per k split, 33 KB per split at NT = 4 (KW * NT <= 16: at most 132 KB); the opt-in limit is
   // set once per kernel and device
   const int dyn = KW * 2 * 8 * NT * XS_TOKEN;
@@ -802,6 +808,7 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
   if (M < 1 || M > MAX_M || (ids != nullptr && M != 1)) return (int)cudaErrorInvalidValue;
   const int64_t nb = (in + 31) / 32;
   const int vec = (in % 8 == 0) && ((reinterpret_cast<uintptr_t>(x) & 15) == 0);
+  if (M > 32) return launch_nt<K, T, 8>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
   if (M > 8) return M > 16 ? launch_nt<K, T, 4>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st)
                            : launch_nt<K, T, 2>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
   const int64_t tiles = (out + TILE - 1) / TILE;

@@ -42,8 +42,8 @@ __all__ = [
     "EXPERT_GEMV_MAX_N",
 ]
 
-GEMV_MAX_M = 32  # the fused dequant-GEMV handles up to this many activation rows; more -> dequantize + cuBLAS
-_ABI_VERSION = 2  # csrc/kbit_quant.cu kbit_abi_version(); 2: kbit_gemv takes M <= 32
+GEMV_MAX_M = 64  # the fused dequant-GEMV handles up to this many activation rows; more -> dequantize + cuBLAS
+_ABI_VERSION = 2  # csrc/kbit_quant.cu kbit_abi_version(); 2: kbit_gemv takes M <= 64
 # expert GEMV (one kernel, each row reads its expert's weights) up to this many rows; more -> per-expert matmuls
 # after one host sync. A MoE prefill of 64 tokens x top-8 is 512 rows: the per-expert loop launches several kernels
 # for each expert present and is launch-bound there, while re-reading an expert's weights per row mostly hits L2.
@@ -253,7 +253,7 @@ def dequantize(packed, absmax, scale, codebook, k, in_features, dtype=torch.floa
 
 
 def linear_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
-    """Fused dequant-GEMV into `out` [M, out_features]: x [M, in] contiguous fp16/bf16, 1 <= M <= 32, bias None or
+    """Fused dequant-GEMV into `out` [M, out_features]: x [M, in] contiguous fp16/bf16, 1 <= M <= 64, bias None or
     x's dtype. No allocation, no synchronisation (CUDA-graph safe)."""
     dev = x.device
     _absmax_fp16(absmax)  # validates the scale dtype
@@ -278,7 +278,7 @@ _KSET = frozenset(fmt.SUPPORTED_K)
 
 
 def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
-    """y = x @ W^T + bias on CUDA: fused GEMV for <= 32 rows (fp16/bf16), else dequantize + cuBLAS."""
+    """y = x @ W^T + bias on CUDA: fused GEMV for <= 64 rows (fp16/bf16), else dequantize + cuBLAS."""
     out_f = packed.shape[-2]
     # Lean eager fast path (this is the per-token decode call: keep the Python work to a minimum).
     if (

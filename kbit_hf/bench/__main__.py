@@ -17,7 +17,7 @@ def main(argv=None):
     pk = sub.add_parser("kernels", help="kernel micro-benchmarks (needs a CUDA GPU and the compiled library)")
     pk.add_argument("--shapes", default="4096x4096,14336x4096,4096x14336,28672x8192",
                     help="comma-separated OUTxIN weight shapes")
-    pk.add_argument("--m", default="1,2,4,8,16,32", help="comma-separated activation rows M")
+    pk.add_argument("--m", default="1,2,4,8,16,32,64", help="comma-separated activation rows M")
     pk.add_argument("--k", default="2,3,4,5", help="comma-separated K")
     pk.add_argument("--repeats", type=int, default=30, help="graph replays; the median is reported")
     pk.add_argument("--dequant-shape", default="8192x8192", help="OUTxIN for the dequantize benchmark (>= 64M elements)")

@@ -60,7 +60,7 @@ def main():
                     p, sc_a, s = cuda.quantize(torch.randn(o, i, device="cuda"), cb, k, af)
                     wref = cuda.dequantize(p, sc_a, s, cb, k, i, torch.float32).double()
                     for dt in (torch.bfloat16, torch.float16):
-                        for M in (1, 3, 8, 12, 32):
+                        for M in (1, 3, 8, 12, 32, 50):
                             x = torch.randn(M, i, device="cuda", dtype=dt)
                             y = cuda.linear(x, p, sc_a, s, cb, k, i, None).double()
                             ref = x.double() @ wref.t()

@@ -25,7 +25,7 @@ def main():
                         n += 1
             if len(shape) == 2:
                 for xdt in (torch.bfloat16, torch.float16):
-                    for M in (1, 2, 4, 5, 8, 9, 16, 17, 32, 33):
+                    for M in (1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65):
                         x = torch.randn(M, shape[-1], device="cuda", dtype=xdt)
                         bias = torch.randn(shape[0], device="cuda", dtype=xdt)
                         cuda.linear(x, p, a, s, cb, k, shape[-1], bias)

@@ -117,7 +117,7 @@ def _quantized(shape, k):
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("shape", GEMV_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
-@pytest.mark.parametrize("M", (1, 2, 3, 4, 5, 8, 9, 16, 17, 32))
+@pytest.mark.parametrize("M", (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64))
 def test_gemv(k, dtype, M, shape):
     out_f, in_f = shape
     cb = fmt.nf_codebook(k)
@@ -141,7 +141,7 @@ def test_gemv(k, dtype, M, shape):
 
 
 @pytest.mark.parametrize("k", KS)
-@pytest.mark.parametrize("M", (1, 5, 20))
+@pytest.mark.parametrize("M", (1, 5, 20, 40))
 def test_gemv_misaligned_x(k, M):
     """Activations 2 bytes off a 16-byte boundary (in % 8 == 0): the checked activation loads on every step."""
     out_f, in_f, dtype = 70, 1024, torch.bfloat16
@@ -159,7 +159,7 @@ def test_gemv_misaligned_x(k, M):
 
 @pytest.mark.parametrize("k", (2, 4, 5))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("M", (9, 33, 300))
+@pytest.mark.parametrize("M", (9, 65, 300))
 def test_linear_large_m(k, dtype, M):
     out_f, in_f = 192, 520
     cb = fmt.nf_codebook(k)
@@ -263,7 +263,7 @@ def test_huge_tensor():
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 @pytest.mark.parametrize("absmax_format", fmt.ABSMAX_FORMATS)
 def test_gemv_scales_and_tails(k, dtype, absmax_format):
-    """Rows with tiny (subnormal e4m4) and large block scales, out % 16 != 0, in % 32 != 0, M = 1..32."""
+    """Rows with tiny (subnormal e4m4) and large block scales, out % 16 != 0, in % 32 != 0, M = 1..64."""
     out_f, in_f = 37, 1000
     cb = fmt.nf_codebook(k)
     g = torch.Generator().manual_seed(11 * k)
@@ -273,7 +273,7 @@ def test_gemv_scales_and_tails(k, dtype, absmax_format):
     w[5] *= 30
     w[6] = 0
     p, a, s = reference.quantize(w, cb, k, absmax_format)
-    for M in (1, 3, 8, 12, 32):
+    for M in (1, 3, 8, 12, 32, 45, 64):
         x = torch.randn(M, in_f, generator=g).to(dtype)
         ref, mag = _ref_linear64(x, p, a, s, cb, k, in_f)
         out = torch.full((M, out_f), float("nan"), dtype=dtype, device="cuda")
