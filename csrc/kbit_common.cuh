@@ -7,10 +7,27 @@
 #include <cstdint>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <cuda_runtime.h>
 
 namespace kbit {
 
 constexpr int BLOCK = 32;
+
+// ---- launch helpers (host) ----
+// The current device and its SM count, cached per device (the launchers size their grids by it). false: CUDA could
+// not say (dev, sms unchanged).
+inline bool current_device_sms(int& dev, int& sms) {
+  static int cache[64] = {};
+  int d = 0;
+  if (cudaGetDevice(&d) != cudaSuccess || d < 0 || d >= 64) return false;
+  if (cache[d] == 0 && cudaDeviceGetAttribute(&cache[d], cudaDevAttrMultiProcessorCount, d) != cudaSuccess) {
+    cache[d] = 0;
+    return false;
+  }
+  dev = d;
+  sms = cache[d];
+  return true;
+}
 
 // ---- dtypes shared with the C ABI ----
 enum DType : int { F32 = 0, F16 = 1, BF16 = 2 };

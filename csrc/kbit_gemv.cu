@@ -31,9 +31,10 @@
 //     it measured faster than either alone for K = 4.
 //   The block scale is applied to each pair with one HMUL2 (bf16x2 / f16x2); e4m4 scales decode exactly as
 //   uint_as_float(code << 19) * 2^116.
-// - Token tiles (M = 9..64, template NT = 2, 4 or 8 tiles of 8 tokens; docs/kernels.md "Token tiles"): the same decode
-//   modes (NT = 8: the table), each half row-block decoded once for NT MMAs (register decode: the activations paired by PRMT); the CTA is blockDim.y row groups x blockDim.x / 32 k-split warps,
-//   and the row groups of one split share each step's activations through two cp.async stages in shared memory.
+// - Token tiles (M = 9..64, template NT = 2, 4 or 8 tiles of 8 tokens; docs/kernels.md "Token tiles"): the same
+//   decode modes (NT = 8: the table), each half row-block decoded once for NT MMAs (register decode: the activations
+//   paired by PRMT); the CTA is blockDim.y row groups x blockDim.x / 32 k-split warps, and the row groups of one split
+//   share each step's activations through two cp.async stages in shared memory.
 // - Numerics (all modes, bitwise the same weight values as v2): the MMA needs the weights in the activation dtype,
 //   so cb is rounded to bf16/fp16, the block scale to bf16 (exact for e4m4 scales) and the product cb * d once more;
 //   for fp16, cb and d are pre-multiplied by 16 each (the fp16 product cb*d*256 stays normal for every e4m4 scale)
@@ -457,11 +458,11 @@ __device__ __forceinline__ void stage_x(unsigned char* xsm, const T* __restrict_
 // feeds NT MMAs, one per tile of 8 tokens: through the pair table (MODE 0, and the second owned block in MODE 2;
 // natural pair order) or group by group in registers (MODE 1, the first block in MODE 2; pairs (e, e + 4), so the
 // activations are paired by PRMT per token tile, as in compute_step). Lane (g, q) reads the 16 activations of tokens
-// g, g + 8, ... from the staged step xsm (main loop) or loads them (CHECK: xr = row of token g, rows xs apart; tokens
+// g, g + 8, ... from the staged step xsm (main loop) or loads them (CHECK: xr = row of token g, rows in apart; tokens
 // >= M: zeros).
 template <int K, typename T, bool CHECK, int NT, int MODE>
 __device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restrict__ xr, const unsigned char* xsm,
-                                                int64_t xs, int M, int g, int fp16, int b0, int q, int nb, int in,
+                                                int M, int g, int fp16, int b0, int q, int nb, int in,
                                                 uint32_t c4, const char* tb, const uint32_t (&tl)[4],
                                                 const uint32_t (&th)[4], float (&acc)[NT][4]) {
 #pragma unroll
@@ -479,7 +480,7 @@ __device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restric
       // the 16 activations of half h of token tile nt: xw[i] = elements (16h + 2i, 16h + 2i + 1)
       auto half_x = [&](int nt, uint32_t(&xw)[8]) {
         if constexpr (CHECK) {
-          load_x<T, true>(xr + 8 * nt * xs, 8 * nt + g < M && blk < nb, blk * BLOCK + 16 * h, in, xw);
+          load_x<T, true>(xr + (int64_t)8 * nt * in, 8 * nt + g < M && blk < nb, blk * BLOCK + 16 * h, in, xw);
         } else {  // the step's activations in shared memory (see stage_x): two conflict-free 16-byte reads
           const unsigned char* t = xsm + (8 * nt + g) * XS_TOKEN;
           const int c = 4 * (q + 4 * ob) + 2 * h;
@@ -535,9 +536,9 @@ __device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restric
 // x rows: x + m * in (m < M). ids != nullptr: expert mode (M == 1), token n = blockIdx.y, expert ids[n].
 // NREG: register cap (128 = 2 CTAs of 8 warps / 4 of 4 warps per SM; 96: 5 CTAs of 4 warps; 80: 6 of 4, 3 of 8)
 // NT: token tiles of 8 (M <= 8 * NT). The CTA is blockDim.y row groups (16 rows each: tile
-// blockIdx.x * blockDim.y + threadIdx.y) x blockDim.x / 32 warps splitting the input dimension; the row groups of a
-// CTA walk the same steps, so their activation loads hit L1 (the activations are read by every row tile: at M = 32
-// that is 256 KB per tile for in = 4096, so more rows per CTA means less L2 traffic).
+// blockIdx.x * blockDim.y + threadIdx.y) x blockDim.x / 32 warps splitting the input dimension. With NT > 1 the row
+// groups of one split walk the same steps and share each step's activations through shared memory (stage_x): every
+// row tile needs all M tokens' activations, so more rows per CTA means less activation traffic.
 template <int K, typename T, int MODE, int NREG, int NT>
 __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     const T* __restrict__ x, int M, const uint32_t* __restrict__ packed, const void* __restrict__ absmax, int fp16,
@@ -675,8 +676,8 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
         cp_async_commit();
         cp_async_wait<1>();
         bar_group(1 + warp, gn);
-        compute_step_nt<K, T, false, NT, MODE>(cur, xg, xs0 + (it & 1) * XS_STAGE, in, M, g, fp16, st * STEP, q,
-                                               nb, in, c4, tb, tl, th, acc);
+        compute_step_nt<K, T, false, NT, MODE>(cur, xg, xs0 + (it & 1) * XS_STAGE, M, g, fp16, st * STEP, q, nb,
+                                               in, c4, tb, tl, th, acc);
         bar_group(1 + warp, gn);
       }
       cur = nxt;
@@ -689,7 +690,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     if constexpr (NT == 1)
       compute_step<K, T, true, MODE>(tb2, xg, xg, xon, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th, acc[0]);
     else
-      compute_step_nt<K, T, true, NT, MODE>(tb2, xg, nullptr, in, M, g, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th,
+      compute_step_nt<K, T, true, NT, MODE>(tb2, xg, nullptr, M, g, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th,
                                             acc);
   }
 
@@ -744,8 +745,8 @@ inline GemvCfg parse_gemv_cfg(const char* v) {
   return c;
 }
 
-// M = 9..64: token tiles (NT = 2, 4 or 8), RW row groups x KW k-split warps per CTA, register cap 168 (NT = 8: 216), the
-// decode mode of M <= 8 (K = 2, 3 registers, K = 4 hybrid, K = 5 table). Benchmark knobs (read once):
+// M = 9..64: token tiles (NT = 2, 4 or 8), RW row groups x KW k-split warps per CTA, register cap 168 (NT = 8: 216),
+// the decode mode of M <= 8 (K = 2, 3 registers, K = 4 hybrid, K = 5 table). Benchmark knobs (read once):
 // KBIT_GEMM_TILE=<RW>x<KW>, RW in 1, 2, 4, 8, KW in 1, 2, 4, 8, RW * KW <= 8, KW * NT <= 16; KBIT_GEMM_DECODE=table
 // (the pair table for every K).
 template <int K, typename T, int NT>
@@ -766,16 +767,13 @@ int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absm
     const char* v = getenv("KBIT_GEMM_DECODE");
     return v != nullptr && strcmp(v, "table") == 0;
   }();
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return (int)cudaErrorInvalidDevice;
-  static int sms[64] = {};
-  if (sms[dev] == 0 && cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    return (int)cudaErrorInvalidDevice;
+  int dev = 0, sms = 0;
+  if (!current_device_sms(dev, sms)) return (int)cudaErrorInvalidDevice;
   // Default tile (H100, docs/kernels.md "token tiles"): 64-row CTAs for long output dimensions, 32 otherwise, and
   // the fewest k splits that give at least 6 warps per SM: long runs of steps per warp beat more, shorter warps.
   int RW = out >= 8192 ? 4 : 2, KW = 1;
   while (KW * 2 * NT <= 16 && RW * KW * 2 <= MAX_WARPS &&
-         ((out + TILE * RW - 1) / (TILE * RW)) * RW * KW < 6 * (int64_t)sms[dev])
+         ((out + TILE * RW - 1) / (TILE * RW)) * RW * KW < 6 * (int64_t)sms)
     KW *= 2;
   if (tile_env && (tile_env % 16) * NT <= 16) { RW = tile_env / 16; KW = tile_env % 16; }
   const int64_t tiles = (out + TILE * RW - 1) / (TILE * RW);
@@ -784,15 +782,15 @@ int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absm
   constexpr int kMode = (K == 5 || NT == 8) ? 0 : K == 4 ? 2 : 1;
   constexpr int kRegs = NT == 8 ? 216 : 168;  // no spills (ptxas -v)
   auto kern = table_env ? gemv_kernel<K, T, 0, kRegs, NT> : gemv_kernel<K, T, kMode, kRegs, NT>;
-  // activation stages: 2 per k split, 33 KB per split at NT = 4 (KW * NT <= 16: at most 132 KB); the opt-in limit is
-  // set once per kernel and device
+  // activation stages: 2 per k split, 33 KB per split at NT = 4; the opt-in limit (the largest, KW * NT = 16) is set
+  // once per device (kern is fixed for the process: the knobs are read once)
   const int dyn = KW * 2 * 8 * NT * XS_TOKEN;
-  static bool attr_set[2][64] = {};
-  bool& done = attr_set[table_env ? 0 : 1][dev];
-  if (!done) {
-    const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, 16 * 2 * 8 * XS_TOKEN);
+  constexpr int kMaxDyn = 16 * 2 * 8 * XS_TOKEN;  // 132 KB
+  static bool attr_set[64] = {};
+  if (!attr_set[dev]) {
+    const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDyn);
     if (e != cudaSuccess) return (int)e;
-    done = true;
+    attr_set[dev] = true;
   }
   kern<<<dim3((unsigned)tiles), dim3(KW * 32, RW), dyn, st>>>(
       reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb, reinterpret_cast<const T*>(bias),

@@ -190,8 +190,7 @@ __global__ void __launch_bounds__(256) dequant_kernel(const uint32_t* __restrict
 
 int grid_for(int64_t warps_needed, int threads = 256) {
   int dev = 0, sms = 132;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  current_device_sms(dev, sms);
   int64_t blocks = (warps_needed * 32 + threads - 1) / threads;
   int64_t cap = (int64_t)sms * 16;  // enough resident blocks, grid-stride beyond that
   if (blocks > cap) blocks = cap;
@@ -228,8 +227,7 @@ int dequant_launch(const uint32_t* packed, const void* absmax, int fp16, const f
   if (threads_needed == 0) return 0;
   int vec = (in % 8 == 0) && ((reinterpret_cast<uintptr_t>(y) & 15) == 0);
   int dev = 0, sms = 132;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  current_device_sms(dev, sms);
   int64_t blocks = (threads_needed + 255) / 256;
   int64_t cap = (int64_t)sms * 32;
   if (blocks > cap) blocks = cap;
