@@ -160,14 +160,15 @@ def test_quantize_is_deterministic_and_dtype_exact(dtype):
         assert torch.equal(x, y)
 
 
-def test_non_finite_weights_rejected():
-    w = torch.randn(4, 32)
-    w[2, 3] = float("nan")
-    with pytest.raises(ValueError, match="NaN/Inf"):
-        ref.quantize(w, fmt.nf_codebook(4), 4, "e4m4")
-    w[2, 3] = float("inf")
-    with pytest.raises(ValueError, match="NaN/Inf"):
-        ref.quantize(w, fmt.nf_codebook(4), 4, "e4m4")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_non_finite_weights_rejected(dtype):
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        w = torch.randn(3, 4, 40).to(dtype)
+        w[1, 2, 37] = bad
+        with pytest.raises(ValueError, match="1 NaN/Inf"):
+            ref.quantize(w, fmt.nf_codebook(4), 4, "e4m4")
+    fmt.check_finite(torch.randn(3, 4, 40).to(dtype))
+    fmt.check_finite(torch.empty(0, 32, dtype=dtype))
 
 
 def test_dequantize_rejects_inconsistent_tensors():

@@ -52,6 +52,15 @@ def test_quantize_bitexact(k, dtype, absmax_format, shape):
     _assert_same_quantized(ref, _cuda().quantize(w.cuda(), cb.cuda(), k, absmax_format))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantize_rejects_non_finite_weights(dtype):
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        w = torch.randn(3, 40, 70, device="cuda").to(dtype)
+        w[2, 39, 69] = bad
+        with pytest.raises(ValueError, match="1 NaN/Inf"):
+            _cuda().quantize(w, fmt.nf_codebook(4).cuda(), 4, "e4m4")
+
+
 @pytest.mark.parametrize("k", KS)
 def test_quantize_custom_codebook_and_scales(k):
     # a non-NF, asymmetric codebook; tiny and huge magnitudes in one tensor (E4M4 subnormals)
