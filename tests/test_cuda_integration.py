@@ -44,6 +44,30 @@ def test_default_device_map_puts_the_model_on_the_gpu(tmp_path):
     assert model.model.layers[0].self_attn.q_proj.weight.device.type == "cuda"
 
 
+def test_moe_load_peak_is_about_one_layer_of_float_experts(tmp_path):
+    """On-the-fly load of an MoE checkpoint stored per expert: besides the final model, the GPU holds about one
+    layer's float experts at a time (it held two while the NaN/Inf check used torch.isfinite's temporaries)."""
+    from kbit_hf.modules import is_fused_experts
+
+    model = tiny_model("mixtral", hidden_size=512, intermediate_size=1536, num_local_experts=8, num_hidden_layers=3)
+    experts = next(m for m in model.modules() if is_fused_experts(m))
+    layer_bytes = sum(p.numel() * p.element_size() for p in experts.parameters())
+    model.save_pretrained(tmp_path)
+    del model, experts
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    q = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=KbitConfig(k=4), device_map="cuda")
+    torch.cuda.synchronize()
+    final = torch.cuda.memory_allocated() - base
+    peak = torch.cuda.max_memory_allocated() - base
+    print(f"one layer of bf16 experts {layer_bytes / 2**20:.1f} MiB; final {final / 2**20:.1f} MiB; "
+          f"peak {peak / 2**20:.1f} MiB; peak - final = {(peak - final) / layer_bytes:.2f} layers")
+    assert any(isinstance(m, KbitMoE) for m in q.modules())
+    assert peak - final <= 1.25 * layer_bytes
+
+
 def _greedy(model, ids, n, **kw):
     out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
                          attention_mask=torch.ones_like(ids), output_logits=True, return_dict_in_generate=True, **kw)

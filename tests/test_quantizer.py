@@ -371,3 +371,20 @@ def test_copies_save_themselves(quantized, tmp_path):
     assert torch.equal(saved["model.layers.0.self_attn.q_proj.weight_scale"],
                        2 * model.model.layers[0].self_attn.q_proj.weight_scale)
     assert "kbit quantization" in open(os.path.join(tmp_path, "README.md")).read()
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_loaded_experts_are_the_fused_float_experts_quantized(family, fp_folder, quantized):
+    """An on-the-fly load merges the per-expert checkpoint tensors (transformers' converters) before kbit quantizes
+    them: the packed experts equal the quantization of the float model's fused tensors, bit for bit."""
+    _, fp_model = fp_folder(family)
+    model, _ = quantized(family)
+    for name, m in model.named_modules():
+        if isinstance(m, KbitMoE):
+            fp = fp_model.get_submodule(name)
+            for p in m.quantized_names:
+                w = getattr(fp, p).detach()
+                packed, absmax, scale = reference.quantize(w.transpose(-1, -2) if m.is_transposed else w,
+                                                           getattr(m, p + "_codebook"), 4, m.absmax_format)
+                assert torch.equal(getattr(m, p).view(torch.int32), packed.view(torch.int32)), (name, p)
+                assert torch.equal(getattr(m, p + "_absmax"), absmax) and torch.equal(getattr(m, p + "_scale"), scale)
