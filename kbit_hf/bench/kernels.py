@@ -82,6 +82,12 @@ def _kbit_weights(out_f, in_f, k, device="cuda"):
     return p, a, s, cb
 
 
+def _bf16_weight_copies(out_f, in_f, device="cuda"):
+    """Rotating bf16 weight copies for the bf16 cuBLAS reference (together > 4x L2, see _n_copies)."""
+    return [torch.randn(out_f, in_f, device=device, dtype=torch.bfloat16)
+            for _ in range(_n_copies(out_f * in_f * 2))]
+
+
 def _tinygemm_weights(out_f, in_f, device="cuda"):
     # int4 weights packed two per byte [n, k/2] -> tinygemm layout; group size 32; bf16 scales and zeros
     q = torch.randint(0, 16, (out_f, in_f), dtype=torch.int32, device=device)
@@ -155,7 +161,7 @@ def run(args) -> int:
             io_bytes = M * in_f * 2 + M * out_f * 2
             # bf16 cuBLAS
             wbytes = out_f * in_f * 2
-            ws = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16) for _ in range(_n_copies(wbytes))]
+            ws = _bf16_weight_copies(out_f, in_f)
             ys = torch.empty(M, out_f, device="cuda", dtype=torch.bfloat16)
             us_bf16 = _time_graph([lambda w=w: torch.mm(x, w.t(), out=ys) for w in ws], repeats)
             rows.append(("bf16 cuBLAS", us_bf16, wbytes + io_bytes))

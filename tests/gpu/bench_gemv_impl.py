@@ -45,7 +45,8 @@ def main():
                   + f" {ref_us(key[0], key[1], 'bf16'):9.2f}")
         return
     from kbit_hf import cuda_backend as cuda
-    from kbit_hf.bench.kernels import _kbit_weights, _n_copies, _time_graph, _tinygemm_weights, copy_bandwidth
+    from kbit_hf.bench.kernels import (_bf16_weight_copies, _kbit_weights, _n_copies, _time_graph,
+                                      _tinygemm_weights, copy_bandwidth)
 
     assert cuda.available(), cuda.load_error()
     torch.manual_seed(0)
@@ -85,8 +86,7 @@ def main():
                 print(f"[{a.tag}] {sh:>12} M={M} tinygemm g32 {us:8.2f} us", flush=True)
             del tg
         if a.bf16:
-            ws = [torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
-                  for _ in range(_n_copies(out_f * in_f * 2))]
+            ws = _bf16_weight_copies(out_f, in_f)
             for M in (int(v) for v in a.m.split(",")):
                 x = torch.randn(M, in_f, device="cuda", dtype=torch.bfloat16)
                 y = torch.empty(M, out_f, device="cuda", dtype=torch.bfloat16)

@@ -6,12 +6,7 @@ export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/kbit_out}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/device.txt"
 t0=$(date +%s)
-if [ -z "${KBIT_CUDA_LIB:-}" ]; then  # KBIT_CUDA_LIB=<carried prebuilt library>: no build
-  KBIT_CUDA_ARCHS=${KBIT_CUDA_ARCHS:-90} cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 \
-    && cmake --build build >>"$OUT/build.log" 2>&1 && cmake --install build --prefix . >>"$OUT/build.log" 2>&1 \
-    || { tail -30 "$OUT/build.log"; exit 1; }
-  echo "build: $(( $(date +%s) - t0 )) s"
-fi
+. "$(dirname "$0")/build_lib.sh"  # in-tree build unless KBIT_CUDA_LIB is carried
 python3 -c "import kbit_hf.cuda_backend as c; print('library:', c.available(), c.library_path())"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 300 python3 -m pytest tests/gpu -q -x -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15

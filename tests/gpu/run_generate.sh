@@ -10,12 +10,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 python3 -c "import bitsandbytes, torchao; print('bitsandbytes', bitsandbytes.__version__, 'torchao', torchao.__version__)" 2>&1 | tail -1
 python3 -c "import matplotlib; print('matplotlib', matplotlib.__version__)" 2>&1 | tail -1
 t0=$(date +%s)
-if [ -z "${KBIT_CUDA_LIB:-}" ]; then  # KBIT_CUDA_LIB=<carried prebuilt library>: no build
-  KBIT_CUDA_ARCHS=${KBIT_CUDA_ARCHS:-90} cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 \
-    && cmake --build build >>"$OUT/build.log" 2>&1 && cmake --install build --prefix . >>"$OUT/build.log" 2>&1 \
-    || { tail -30 "$OUT/build.log"; exit 1; }
-  echo "build: $(( $(date +%s) - t0 )) s"
-fi
+. "$(dirname "$0")/build_lib.sh"  # in-tree build unless KBIT_CUDA_LIB is carried
 if [ -n "${TESTS:-}" ]; then
   timeout 400 python3 -m pytest -q -m cuda -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/pytest.log" | tail -15
   echo "tests: $(( $(date +%s) - t0 )) s"

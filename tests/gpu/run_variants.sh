@@ -9,13 +9,7 @@ export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/kbit_out}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | tee "$OUT/device.txt"
 t0=$(date +%s)
-# KBIT_CUDA_LIB=<carried prebuilt library>: no build
-if [ -z "${KBIT_CUDA_LIB:-}" ] && { [ ! -f kbit_hf/_lib/libkbit_cuda.so ] || [ "${REBUILD:-1}" = 1 ]; }; then
-  KBIT_CUDA_ARCHS=${KBIT_CUDA_ARCHS:-90} cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >"$OUT/build.log" 2>&1 \
-    && cmake --build build >>"$OUT/build.log" 2>&1 && cmake --install build --prefix . >>"$OUT/build.log" 2>&1 \
-    || { tail -30 "$OUT/build.log"; exit 1; }
-fi
-echo "build: $(( $(date +%s) - t0 )) s"
+. "$(dirname "$0")/build_lib.sh"  # in-tree build unless KBIT_CUDA_LIB is carried
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 files=()
 for v in ${VARIANTS:-base:}; do
