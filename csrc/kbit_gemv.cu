@@ -777,7 +777,7 @@ int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absm
     KW *= 2;
   if (tile_env && (tile_env % 16) * NT <= 16) { RW = tile_env / 16; KW = tile_env % 16; }
   const int64_t tiles = (out + TILE * RW - 1) / (TILE * RW);
-  if (tiles > 0x7FFFFFFF || in > (int64_t)1 << 30) return (int)cudaErrorInvalidConfiguration;
+  if (tiles > 0x7FFFFFFF) return (int)cudaErrorInvalidConfiguration;
   // NT = 8 decodes through the table: the register decode would hold all 8 tiles' activations (64 registers)
   constexpr int kMode = (K == 5 || NT == 8) ? 0 : K == 4 ? 2 : 1;
   constexpr int kRegs = NT == 8 ? 216 : 168;  // no spills (ptxas -v)
@@ -804,6 +804,7 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
            const void* bias, void* y, cudaStream_t st) {
   if (out == 0 || N == 0) return 0;
   if (M < 1 || M > MAX_M || (ids != nullptr && M != 1)) return (int)cudaErrorInvalidValue;
+  if (in > (int64_t)1 << 30) return (int)cudaErrorInvalidConfiguration;  // 32-bit in-row offsets in both kernels
   const int64_t nb = (in + 31) / 32;
   const int vec = (in % 8 == 0) && ((reinterpret_cast<uintptr_t>(x) & 15) == 0);
   if (M > 32) return launch_nt<K, T, 8>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
@@ -811,7 +812,7 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
                            : launch_nt<K, T, 2>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
   const int64_t tiles = (out + TILE - 1) / TILE;
   dim3 grid((unsigned)tiles, (unsigned)(ids ? N : 1));
-  if (grid.y > 65535u || tiles > 0x7FFFFFFF || in > (int64_t)1 << 30) return (int)cudaErrorInvalidConfiguration;
+  if (grid.y > 65535u || tiles > 0x7FFFFFFF) return (int)cudaErrorInvalidConfiguration;
   // enough warps for ~16 per SM on a 132-SM part: 8 per tile for few tiles of long rows, else 4
   const int64_t work = tiles * (int64_t)grid.y;
   int W = (work * 4 < 2048 && nb >= 16 * STEP) ? 8 : 4;

@@ -54,3 +54,24 @@ def test_generate_benchmark_rejects_bad_arguments():
         generate.parse_methods("kbit4-heads")
     m = generate.parse_methods("bnb-nf4")[0]
     assert m.name == "bnb-nf4"  # unavailable methods are reported, not fatal
+
+
+def test_defer_stop_patch_is_scoped():
+    """--defer-stop: DeferredStopCheck is allowed on CUDA inside the block only, with transformers' other conditions."""
+    import torch
+    from transformers.generation import utils as gen_utils
+
+    cls = gen_utils.DeferredStopCheck
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    class Cache:
+        is_croppable = False
+
+    assert not cls.is_supported(cuda, None, False, False)  # transformers' own rule: mps only
+    with generate.deferred_stop_on_cuda():
+        assert cls.is_supported(cuda, None, False, False)
+        assert cls.is_supported(cuda, Cache(), False, False)  # the cache is not returned: nothing to roll back
+        assert not cls.is_supported(cuda, Cache(), True, False)  # a returned cache that cannot be cropped
+        assert not cls.is_supported(cuda, None, False, True)  # assistant models
+        assert not cls.is_supported(cpu, None, False, False)
+    assert not cls.is_supported(cuda, None, False, False)

@@ -12,10 +12,16 @@ start to first token (prefill tokens/s = batch * prompt / that); decode tokens/s
 consecutive tokens (steady state); end-to-end tokens/s = batch * N / call time. Medians over the repeats.
 `min_new_tokens` = `max_new_tokens` so random weights never stop early. Memory: `torch.cuda` allocator statistics
 (resident after load, peak during load, peak during generation), relative to what was allocated before loading.
+
+`--defer-stop` turns on transformers' `DeferredStopCheck` on CUDA as well (transformers 5.x enables it on mps
+only): the host reads the stop flag and the streamed token one step late, through non-blocking copies, instead of
+synchronising with the device every step, so it can queue step n+1 while the device runs step n. Every method runs
+under the same setting; the report records it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -205,6 +211,33 @@ def _generate(model, ids, new_tokens: int, static: bool, logits: bool = False, s
     if logits:
         kwargs.update(output_logits=True, return_dict_in_generate=True)
     return model.generate(ids, **kwargs)
+
+
+@contextlib.contextmanager
+def deferred_stop_on_cuda():
+    """transformers' `DeferredStopCheck` for CUDA devices too, for the duration of the block. The replacement keeps
+    the original's conditions (not with an assistant model; a returned cache must be croppable) and only drops its
+    `device.type == "mps"` requirement."""
+    from transformers.generation import utils as gen_utils
+
+    cls = getattr(gen_utils, "DeferredStopCheck", None)
+    if cls is None:
+        import transformers
+
+        raise RuntimeError(f"--defer-stop needs transformers' DeferredStopCheck; transformers "
+                           f"{transformers.__version__} has none")
+    original = cls.__dict__["is_supported"]
+
+    def is_supported(device, cache, cache_is_returned, is_assistant):
+        if device.type not in ("cuda", "mps") or is_assistant:
+            return False
+        return cache is None or cache.is_croppable or not cache_is_returned
+
+    cls.is_supported = staticmethod(is_supported)
+    try:
+        yield
+    finally:
+        cls.is_supported = original
 
 
 def _timed(fn, device) -> tuple[float, object]:
@@ -412,9 +445,11 @@ def run(args) -> int:
 
     report = {"model": model_name, "checkpoint": folder, "device": dev_name, "torch": torch.__version__,
               "transformers": transformers.__version__, "prompt_len": args.prompt_len,
-              "new_tokens": args.new_tokens, "repeats": args.repeats, "results": []}
+              "new_tokens": args.new_tokens, "repeats": args.repeats, "defer_stop": bool(args.defer_stop),
+              "results": []}
     total = len(methods) * len(args.modes) * len(args.batch)
-    with tqdm(total=total, desc="generate benchmark", unit="run") as progress:
+    defer = deferred_stop_on_cuda() if args.defer_stop else contextlib.nullcontext()
+    with defer, tqdm(total=total, desc="generate benchmark", unit="run") as progress:
         for method in methods:
             report["results"].append(run_method(method, folder, device, args, progress))
             if args.json:  # keep partial results if a later method crashes the process
@@ -422,7 +457,8 @@ def run(args) -> int:
     _compare_modes(report["results"])
     print()
     print(f"{model_name} on {dev_name}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens; "
-          f"tokens/s count all sequences of the batch; decode = steady state (median step), e2e = whole call")
+          f"tokens/s count all sequences of the batch; decode = steady state (median step), e2e = whole call"
+          + ("; stop check deferred by one step (--defer-stop)" if args.defer_stop else ""))
     print(table(report))
     if args.json:
         _write_json(report, args.json)
@@ -459,6 +495,8 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--png", default=None, help="draw the decode-speed chart here (needs matplotlib)")
+    p.add_argument("--defer-stop", action="store_true",
+                   help="transformers' DeferredStopCheck on CUDA too: no host synchronisation per decode step")
 
 
 def plot_main(args) -> int:

@@ -166,6 +166,24 @@ def test_gemv_misaligned_x(k, M):
     _assert_linear_close(out, ref, mag, dtype, rel_w=GEMV_REL_W[dtype])
 
 
+@pytest.mark.parametrize("M", (1, 8, 9, 40))
+def test_gemv_refuses_rows_past_2_30(M):
+    """Both fused kernels (M <= 8 and token tiles) keep 32-bit in-row offsets: the launcher refuses in > 2^30 with
+    cudaErrorInvalidConfiguration (9) before reading anything (the small buffers here are never touched)."""
+    cuda = _cuda()
+    cuda._load()
+    x = torch.zeros(M, 64, dtype=torch.bfloat16, device="cuda")
+    y = torch.zeros(M, 1, dtype=torch.bfloat16, device="cuda")
+    p = torch.zeros(1, 8, dtype=torch.int32, device="cuda")
+    a = torch.zeros(1, 2, dtype=torch.uint8, device="cuda")
+    s = torch.ones((), device="cuda")
+    cb = fmt.nf_codebook(4).cuda()
+    rc = cuda._lib.kbit_gemv(x.data_ptr(), 2, M, p.data_ptr(), a.data_ptr(), 0, s.data_ptr(), cb.data_ptr(), 4, 1,
+                             2**30 + 32, 0, y.data_ptr(), torch.cuda.current_stream().cuda_stream)
+    assert rc == 9
+    torch.cuda.synchronize()  # and nothing was launched that could fault
+
+
 @pytest.mark.parametrize("k", (2, 4, 5))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("M", (9, 65, 300))
