@@ -75,3 +75,14 @@ def test_defer_stop_patch_is_scoped():
         assert not cls.is_supported(cuda, None, False, True)  # assistant models
         assert not cls.is_supported(cpu, None, False, False)
     assert not cls.is_supported(cuda, None, False, False)
+
+
+def test_table_hides_first_token_times_under_defer_stop():
+    """With --defer-stop tokens reach the streamer a step late: the table prints no TTFT / prefill figures then."""
+    run = {"mode": "static", "batch": 1, "ttft_ms": 12.5, "prefill_tok_s": 5120.0, "decode_tok_s": 100.0,
+           "e2e_tok_s": 90.0, "peak_gen_bytes": 0, "warmup_s": 1.0}
+    res = {"method": "bf16", "load_s": 1.0, "resident_bytes": 0, "load_peak_bytes": 0, "runs": [run]}
+    plain = generate.table({"results": [res], "defer_stop": False})
+    deferred = generate.table({"results": [res], "defer_stop": True})
+    assert "12.5" in plain and "5120" in plain
+    assert "12.5" not in deferred and "5120" not in deferred and "100.0" in deferred
