@@ -215,9 +215,9 @@ def _generate(model, ids, new_tokens: int, static: bool, logits: bool = False, s
 
 @contextlib.contextmanager
 def deferred_stop_on_cuda():
-    """transformers' `DeferredStopCheck` for CUDA devices too, for the duration of the block. The replacement keeps
-    the original's conditions (not with an assistant model; a returned cache must be croppable) and only drops its
-    `device.type == "mps"` requirement."""
+    """transformers' `DeferredStopCheck` for CUDA devices too, for the duration of the block: transformers' own
+    `is_supported` decides, with a CUDA device presented to it as mps (its only device condition), so its other
+    conditions (no assistant model; a returned cache must be croppable) stay transformers'."""
     from transformers.generation import utils as gen_utils
 
     cls = getattr(gen_utils, "DeferredStopCheck", None)
@@ -229,9 +229,8 @@ def deferred_stop_on_cuda():
     original = cls.__dict__["is_supported"]
 
     def is_supported(device, cache, cache_is_returned, is_assistant):
-        if device.type not in ("cuda", "mps") or is_assistant:
-            return False
-        return cache is None or cache.is_croppable or not cache_is_returned
+        device = torch.device("mps") if device.type == "cuda" else device
+        return original.__func__(device, cache, cache_is_returned, is_assistant)
 
     cls.is_supported = staticmethod(is_supported)
     try:

@@ -171,7 +171,6 @@ def test_gemv_refuses_rows_past_2_30(M):
     """Both fused kernels (M <= 8 and token tiles) keep 32-bit in-row offsets: the launcher refuses in > 2^30 with
     cudaErrorInvalidConfiguration (9) before reading anything (the small buffers here are never touched)."""
     cuda = _cuda()
-    cuda._load()
     x = torch.zeros(M, 64, dtype=torch.bfloat16, device="cuda")
     y = torch.zeros(M, 1, dtype=torch.bfloat16, device="cuda")
     p = torch.zeros(1, 8, dtype=torch.int32, device="cuda")
