@@ -9,10 +9,11 @@
 //           word j, lane 0 the scale byte.
 //   pass 3  scale[e] = power-of-two scale (one thread per expert).
 // dequantize
-//   4 threads per block, thread s handles elements 8s..8s+7: loads the k words of its block (same 128-bit / 64-bit
-//   / 32-bit words for the 4 threads, one 128-byte line per warp and load for k=4), transposes the bit planes to
-//   nibbles (3 PRMT + 3 delta swaps), looks the codebook up with __shfl_sync (lane l holds codebook[l % 2^k]),
-//   and writes 8 outputs (one 16-byte store for bf16/fp16 when in % 8 == 0). Value = (cb * d) * scale in fp32.
+//   2 threads per block, thread h decodes elements 8h..8h+7 and 16+8h..16+8h+7: it loads the k words of its block
+//   (same 16-byte / 8-byte / 4-byte words for the 2 threads, one 128-byte line per warp for k=4), transposes the bit
+//   planes to nibbles (3 PRMT + 3 delta swaps per 8 elements), looks the codebook up with __shfl_sync (lane l holds
+//   codebook[l % 2^k]), and writes two 16-byte stores (bf16/fp16 when in % 8 == 0): lanes h = 0, 1 of one block
+//   fill one 32-byte sector per store instruction. Value = (cb * d) * scale in fp32.
 #include "kbit_api.h"
 #include "kbit_common.cuh"
 
@@ -126,52 +127,46 @@ __device__ __forceinline__ void load_block_words(const uint32_t* __restrict__ p,
 // DENSE: one tensor (E == 1) whose rows are whole blocks (in % 32 == 0) and y 16-byte aligned: element (blk, 8s)
 // lands at y + 32 blk + 8 s and the per-tensor scale is loop-invariant, so the loop needs no 64-bit divisions
 // (two per 8 elements otherwise, which held the kernel at ~75% of the SM copy bandwidth on an H100).
-// Each thread issues the loads of U = 2 grid-stride iterations before decoding either: twice the reads in flight,
-// 1-5% faster for K = 2..4 on an H100 (bf16 output); U = 4 was slower, and streaming stores gained little beyond
-// that while they would evict a small layer's output from L2 before the GEMM that reads it (docs/kernels.md,
-// "Dequantize: two iterations per load batch").
+// Two threads per block, each storing the halves (8h.., 16+8h..) so that every store instruction writes whole sectors,
+// and a grid of up to 128 blocks per SM with one item per thread where that suffices: 90-93% of the SM copy on an
+// H100 for K = 2..5, against 80-85% with 4 threads per block, two items per thread and 32 blocks per SM
+// (docs/kernels.md, "Dequantize: two threads per block").
 template <int K, typename TO, bool DENSE>
 __global__ void __launch_bounds__(256) dequant_kernel(const uint32_t* __restrict__ packed, const void* __restrict__ absmax,
                                                       int absmax_fp16, const float* __restrict__ scale,
                                                       const float* __restrict__ codebook, int64_t E, int64_t out,
                                                       int64_t in, int64_t nb, TO* __restrict__ y, int vec) {
-  constexpr int NC = 1 << K, U = 2;
+  constexpr int NC = 1 << K;
   const int lane = threadIdx.x & 31;
   const float cb = codebook[lane & (NC - 1)];
   const float sc0 = DENSE ? scale[0] : 0.f;
-  const int64_t total = E * out * nb * 4;  // one thread per (block, s)
+  const int64_t total = E * out * nb * 2;  // one thread per (block, half h)
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   // Loop bounds are uniform per warp so that every lane takes part in the shuffles.
-  for (int64_t t0 = (int64_t)blockIdx.x * blockDim.x + (threadIdx.x & ~31); t0 < total; t0 += U * stride) {
-    uint32_t wd[U][5];
-    float d[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t t = t0 + u * stride + lane;
-      const int64_t blk = t < total ? (t >> 2) : 0;
-      load_block_words<K>(packed + blk * K, wd[u]);
-      d[u] = load_absmax(absmax, blk, absmax_fp16);
+  for (int64_t t0 = (int64_t)blockIdx.x * blockDim.x + (threadIdx.x & ~31); t0 < total; t0 += stride) {
+    const int64_t t = t0 + lane;
+    const bool valid = t < total;
+    const int64_t blk = valid ? (t >> 1) : 0;
+    uint32_t wd[5];
+    load_block_words<K>(packed + blk * K, wd);
+    const float d = load_absmax(absmax, blk, absmax_fp16);
+    int64_t row = 0, b = blk, e = 0;
+    if constexpr (!DENSE) {
+      row = blk / nb;
+      b = blk - row * nb;
+      e = row / out;
     }
+    const float sc = DENSE ? sc0 : scale[e];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t t = t0 + u * stride + lane;
-      const bool valid = t < total;
-      const int64_t blk = valid ? (t >> 2) : 0;
-      const uint32_t s = (uint32_t)(t & 3);
-      int64_t row = 0, b = blk, e = 0;
-      if constexpr (!DENSE) {
-        row = blk / nb;
-        b = blk - row * nb;
-        e = row / out;
-      }
-      const float sc = DENSE ? sc0 : scale[e];
-      const uint32_t nib = planes_to_nibbles(wd[u][0], wd[u][1], wd[u][2], wd[u][3], s | ((s + 4) << 4));
-      const uint32_t q4 = wd[u][4] >> (8 * s);
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t s = (uint32_t)(t & 1) + 2 * half;  // elements 8s..8s+7 of the block
+      const uint32_t nib = planes_to_nibbles(wd[0], wd[1], wd[2], wd[3], s | ((s + 4) << 4));
+      const uint32_t q4 = wd[4] >> (8 * s);
       float v[8];
 #define KBIT_DQ(E_)                                                                  \
   {                                                                                  \
     float c = __shfl_sync(0xFFFFFFFFu, cb, (int)elem_lane<K, E_>(nib, q4));          \
-    v[E_] = __fmul_rn(__fmul_rn(c, d[u]), sc);                                       \
+    v[E_] = __fmul_rn(__fmul_rn(c, d), sc);                                          \
   }
       KBIT_DQ(0) KBIT_DQ(1) KBIT_DQ(2) KBIT_DQ(3) KBIT_DQ(4) KBIT_DQ(5) KBIT_DQ(6) KBIT_DQ(7)
 #undef KBIT_DQ
@@ -236,13 +231,13 @@ int quantize_t(const T* w, int64_t E, int64_t out, int64_t in, const float* cb, 
 template <int K, typename TO>
 int dequant_launch(const uint32_t* packed, const void* absmax, int fp16, const float* scale, const float* cb,
                    int64_t E, int64_t out, int64_t in, int64_t nb, void* y, cudaStream_t st) {
-  const int64_t threads_needed = E * out * nb * 4;
+  const int64_t threads_needed = E * out * nb * 2;
   if (threads_needed == 0) return 0;
   int vec = (in % 8 == 0) && ((reinterpret_cast<uintptr_t>(y) & 15) == 0);
   int dev = 0, sms = 132;
   current_device_sms(dev, sms);
   int64_t blocks = (threads_needed + 255) / 256;
-  int64_t cap = (int64_t)sms * 32;
+  int64_t cap = (int64_t)sms * 128;  // grid-stride beyond (8192^2 elements: one item per thread on 132 SMs)
   if (blocks > cap) blocks = cap;
   if (vec && E == 1 && in % BLOCK == 0)
     dequant_kernel<K, TO, true><<<(unsigned)blocks, 256, 0, st>>>(packed, absmax, fp16, scale, cb, E, out, in, nb,

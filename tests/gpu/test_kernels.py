@@ -91,6 +91,25 @@ def test_dequantize_bitexact(k, out_dtype, absmax_format, shape):
     assert torch.equal(got.cpu(), ref)
 
 
+@pytest.mark.parametrize("k", (2, 5))
+@pytest.mark.parametrize("dense", (True, False), ids=("dense", "ragged"))
+def test_dequantize_grid_stride(k, dense):
+    """More elements than one pass of the launch grid covers (128 blocks of 256 threads per SM, 16 elements per
+    thread), so the grid-stride loop takes a second, partial turn: dense rows (in % 32 == 0) and ragged ones."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    one_pass = sms * 128 * 256 * 16
+    inf = 8192 if dense else 8191
+    out_f = one_pass // inf + 37
+    cb = fmt.nf_codebook(k).cuda()
+    w = torch.randn(out_f, inf, device="cuda", dtype=torch.bfloat16)
+    p, a, s = _cuda().quantize(w, cb, k, "e4m4")
+    del w
+    ref = reference.dequantize(p, a, s, cb, k, inf, torch.bfloat16)  # the pure-PyTorch reference, run on the GPU
+    out = torch.full_like(ref, float("nan"))
+    _cuda().dequantize_out(p, a, s, cb, k, inf, out)
+    assert torch.equal(out, ref)
+
+
 def _ref_linear64(x, p, a, s, cb, k, inf, bias=None):
     w = reference.dequantize(p, a, s, cb, k, inf, torch.float32).double()
     y = x.double() @ w.T

@@ -1,0 +1,69 @@
+"""What the GPU allows for the shapes the kbit kernels are judged on: times of kernels that only move bytes
+(tests/gpu/floor_kernels.cu), measured with the kernel benchmark's method (one CUDA graph per case, buffers
+rotated over > 4x L2, median per call). Best over a few grid sizes. Prints microseconds and % of the SM copy
+bandwidth of the same run.
+
+usage: python tests/gpu/bench_floor.py LIBFLOOR.so [json_out]
+"""
+
+import ctypes
+import json
+import sys
+
+import torch
+
+from kbit_hf.bench.kernels import _n_copies, _time_graph, copy_bandwidth
+
+
+def main():
+    lib = ctypes.CDLL(sys.argv[1])
+    for f in (lib.floor_empty, lib.floor_read, lib.floor_write, lib.floor_expand):
+        f.restype = ctypes.c_int
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = copy_bandwidth(30)
+    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+    stream = lambda: ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)  # noqa: E731
+    rows = []
+
+    def report(name, nbytes, fns):
+        us = _time_graph(fns, 30)
+        pct = 100 * nbytes / (us * 1e-6) / bw if nbytes else None
+        rows.append({"case": name, "us": us, "bytes": nbytes, "pct_copy": pct})
+        print(f"{name:44} {us:9.2f} us" + (f"  {pct:5.1f}% of copy" if pct else ""), flush=True)
+
+    report(f"empty kernel, {sms} CTAs", 0, [lambda: lib.floor_empty(sms, stream())] * 200)
+    # packed K=4 bytes (4.25 bits per weight) of the issue's GEMV shapes, plus a K=2 one
+    for label, nbytes in (("1024x4096 K=4", 1024 * 4096 * 17 // 32), ("4096x4096 K=4", 4096 * 4096 * 17 // 32),
+                          ("4096x4096 K=2", 4096 * 4096 * 9 // 32), ("14336x4096 K=4", 14336 * 4096 * 17 // 32),
+                          ("28672x8192 K=4", 28672 * 8192 * 17 // 32)):
+        nbytes = nbytes // 16 * 16
+        bufs = [torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+                for _ in range(_n_copies(nbytes))]
+        for mult in (1, 2, 4, 8):
+            g = sms * mult
+            report(f"read {label} ({nbytes / 1e6:.1f} MB), grid {mult}x SMs", nbytes,
+                   [lambda b=b, g=g: lib.floor_read(ctypes.c_void_p(b.data_ptr()), nbytes,
+                                                    ctypes.c_void_p(sink.data_ptr()), g, stream()) for b in bufs])
+        del bufs
+    # the dequantize benchmark's case: 8192x8192 to bf16 (134 MB written)
+    out_bytes = 8192 * 8192 * 2
+    dsts = [torch.empty(out_bytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    for mult in (8, 32, 64, 128):
+        g = sms * mult
+        report(f"write 134 MB, grid {mult}x SMs", out_bytes,
+               [lambda d=d, g=g: lib.floor_write(ctypes.c_void_p(d.data_ptr()), out_bytes, g, stream()) for d in dsts])
+    for r, label in ((4, "K=4 ratio"), (8, "K=2 ratio")):
+        src_bytes = out_bytes // r
+        srcs = [torch.empty(src_bytes, dtype=torch.uint8, device="cuda").random_(0, 255) for _ in range(2)]
+        for mult in (8, 32, 64, 128):
+            g = sms * mult
+            report(f"expand {src_bytes / 1e6:.0f} -> 134 MB ({label}), grid {mult}x", src_bytes + out_bytes,
+                   [lambda s=s, d=d, g=g: lib.floor_expand(ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(d.data_ptr()),
+                                                           out_bytes, r, g, stream()) for s, d in zip(srcs, dsts)])
+    if len(sys.argv) > 2:
+        with open(sys.argv[2], "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
