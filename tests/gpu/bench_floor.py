@@ -3,7 +3,8 @@
 rotated over > 4x L2, median per call). Best over a few grid sizes. Prints microseconds and % of the SM copy
 bandwidth of the same run.
 
-usage: python tests/gpu/bench_floor.py LIBFLOOR.so [json_out]
+usage: nvcc -arch=sm_90 -O3 -shared -Xcompiler -fPIC -cudart static -o libfloor.so tests/gpu/floor_kernels.cu
+       python tests/gpu/bench_floor.py libfloor.so [json_out]
 """
 
 import ctypes
