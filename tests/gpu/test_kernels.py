@@ -284,6 +284,51 @@ def test_cuda_graph_capture():
     assert torch.equal(y, cuda.linear(x, p, a, s, cb, k, in_f))
 
 
+@pytest.mark.parametrize("M", (1, 24))
+def test_gemv_chain_reads_the_previous_output(M):
+    """GEMVs that each read the previous one's output, back to back on one stream (the launch lets a GEMV start
+    before the previous kernel ends: it must still see that kernel's output), eager and replayed from a CUDA graph
+    with new inputs; against a float64 chain of the dequantized weights."""
+    cuda = _cuda()
+    k, n, depth = 4, 1024, 6
+    cb = fmt.nf_codebook(k).cuda()
+    layers = [cuda.quantize(torch.randn(n, n, device="cuda") / 32, cb, k, "e4m4") for _ in range(depth)]
+    ws = [cuda.dequantize(p, a, s, cb, k, n, torch.float64) for p, a, s in layers]
+    bufs = [torch.empty(M, n, device="cuda", dtype=torch.bfloat16) for _ in range(depth + 1)]
+
+    def chain():
+        for i, (p, a, s) in enumerate(layers):
+            cuda.linear_out(bufs[i], p, a, s, cb, k, n, None, bufs[i + 1])
+
+    def check():
+        ref = bufs[0].double()
+        for i, w in enumerate(ws):
+            ref = ref @ w.T  # each step from the kernel's own (rounded) input, so errors do not compound
+            got = bufs[i + 1].double()
+            mag = bufs[i].double().abs() @ w.abs().T
+            assert ((got - ref).abs() <= 2**-6 * mag + 1e-6).all(), f"layer {i}"  # weights + output rounding
+            ref = got
+
+    bufs[0].copy_(torch.randn(M, n, device="cuda"))
+    chain()
+    check()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for _ in range(3):
+        bufs[0].copy_(torch.randn(M, n, device="cuda"))
+        for b in bufs[1:]:
+            b.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check()
+
+
 def test_huge_tensor():
     """> 2^31 elements: 64-bit indexing in quantize and dequantize."""
     cuda = _cuda()
