@@ -10,7 +10,7 @@
 //   pass 3  scale[e] = power-of-two scale (one thread per expert).
 // dequantize
 //   2 threads per block, thread h decodes elements 8h..8h+7 and 16+8h..16+8h+7: it loads the k words of its block
-//   (same 16-byte / 8-byte / 4-byte words for the 2 threads, one 128-byte line per warp for k=4), transposes the bit
+//   (same 16-byte / 8-byte / 4-byte words for the 2 threads, two 128-byte lines per warp for k=4), transposes the bit
 //   planes to nibbles (3 PRMT + 3 delta swaps per 8 elements), looks the codebook up with __shfl_sync (lane l holds
 //   codebook[l % 2^k]), and writes two 16-byte stores (bf16/fp16 when in % 8 == 0): lanes h = 0, 1 of one block
 //   fill one 32-byte sector per store instruction. Value = (cb * d) * scale in fp32.
@@ -128,7 +128,7 @@ __device__ __forceinline__ void load_block_words(const uint32_t* __restrict__ p,
 // lands at y + 32 blk + 8 s and the per-tensor scale is loop-invariant, so the loop needs no 64-bit divisions
 // (two per 8 elements otherwise, which held the kernel at ~75% of the SM copy bandwidth on an H100).
 // Two threads per block, each storing the halves (8h.., 16+8h..) so that every store instruction writes whole sectors,
-// and a grid of up to 128 blocks per SM with one item per thread where that suffices: 90-93% of the SM copy on an
+// and a grid of up to 128 blocks per SM with one item per thread where that suffices: 89-93% of the SM copy on an
 // H100 for K = 2..5, against 80-85% with 4 threads per block, two items per thread and 32 blocks per SM
 // (docs/kernels.md, "Dequantize: two threads per block").
 template <int K, typename TO, bool DENSE>
