@@ -1,11 +1,11 @@
-"""Time the fused GEMV alone (CUDA-graph method of `python -m kbit_hf.bench kernels`) for one decode implementation.
+"""Time the fused GEMV alone (CUDA-graph method of `python -m kbit_hf.bench kernels`) for one library or decode
+configuration, so that two can be compared from separate processes in the same device session: the library by
+KBIT_CUDA_LIB, the decode mode by KBIT_GEMV_CFG (see csrc/kbit_gemv.cu, launch()), e.g.
 
-The implementation is picked at library load by KBIT_GEMV_IMPL (unset: v6 register decode for K <= 4; `table`: the
-v2 shared-memory pair table for every K), so run this once per implementation in the same device session:
-
-    KBIT_GEMV_IMPL=table python tests/gpu/bench_gemv_impl.py --tag v2 --json v2.json
-    python tests/gpu/bench_gemv_impl.py --tag v6 --json v6.json
-    python tests/gpu/bench_gemv_impl.py --compare v2.json v6.json
+    KBIT_CUDA_LIB=old/libkbit_cuda.so python tests/gpu/bench_gemv_impl.py --tag old --json old.json
+    KBIT_CUDA_LIB=new/libkbit_cuda.so python tests/gpu/bench_gemv_impl.py --tag new --json new.json
+    KBIT_GEMV_CFG="*=t" python tests/gpu/bench_gemv_impl.py --tag table --json table.json
+    python tests/gpu/bench_gemv_impl.py --compare old.json new.json table.json
 """
 
 import argparse
