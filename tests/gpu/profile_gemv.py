@@ -1,13 +1,17 @@
-"""Driver for an ncu profile of the fused GEMV (K=4, M=1, 14336x4096, bf16):
-ncu --clock-control none --kernel-name regex:gemv --launch-skip 3 --launch-count 1 --section ... python3 tests/gpu/profile_gemv.py
+"""Driver for an ncu profile of the fused GEMV (bf16, M=1; default 14336x4096, K=4):
+ncu --clock-control none --kernel-name regex:gemv --launch-skip 3 --launch-count 1 --section ... \
+    python3 tests/gpu/profile_gemv.py [OUTxIN] [K]
 """
+import sys
+
 import torch
 
 import kbit_hf
 from kbit_hf import cuda_backend, format as fmt
 
 assert cuda_backend.available(), cuda_backend.load_error()
-out, inp, k = 14336, 4096, 4
+out, inp = (int(v) for v in (sys.argv[1] if len(sys.argv) > 1 else "14336x4096").split("x"))
+k = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 w = torch.randn(out, inp, device="cuda", dtype=torch.bfloat16)
 cb = fmt.nf0_codebook(k).cuda()
 packed, absmax, scale = cuda_backend.quantize(w, cb, k, "e4m4")
