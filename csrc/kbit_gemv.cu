@@ -8,9 +8,9 @@
 // - The weight tile is the MMA's A operand (16 rows x k16), the activations its B operand (k16 x n8: tokens 0..M-1,
 //   zero past M), fp32 accumulators. The k order inside an MMA is free (A and B only have to agree), so lane
 //   4g + q owns whole blocks: in a step, blocks b0 + q and b0 + 4 + q of rows g and g + 8. It loads their K packed
-//   words itself (one 16-byte load per row and block for K = 4, every packed byte read once, no shuffles) one step
-//   ahead through pointers that the loop advances, and the 32 activations of the same block for token g at use
-//   (M <= g: zeros).
+//   words itself (one 16-byte load per row and block for K = 4, two 8-byte and one 4-byte load for K = 5 at M <= 8,
+//   every packed byte read once, no shuffles) one step ahead through pointers that the loop advances, and the 32
+//   activations of the same block for token g at use (M <= g: zeros).
 // - Decode, three modes (template MODE, picked per K at launch; KBIT_GEMV_CFG overrides, see launch()):
 //   * registers (MODE 1, default for K = 2, 3): the codebook values (times PRE, in the activation dtype) are held
 //     as byte planes in registers (tl[n] / th[n]: low / high bytes of entries 4n..4n+3). A partial 4x4 bit transpose
@@ -275,8 +275,9 @@ __host__ __device__ __forceinline__ void decode_reg(const uint32_t (&w)[5], cons
   }
 }
 
-// the K packed words of one row-block (streamed: read once)
-template <int K>
+// the K packed words of one row-block (streamed: read once). WIDE5: K = 5 as two 8-byte loads and one 4-byte load
+// (the M <= 8 main loop), else five 4-byte loads (the token-tile kernel measured up to 9% slower with the wide ones)
+template <int K, bool WIDE5 = false>
 __device__ __forceinline__ void load_words(const uint32_t* __restrict__ p, uint32_t (&w)[5]) {
   if constexpr (K == 4) {
     const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p));
@@ -284,6 +285,15 @@ __device__ __forceinline__ void load_words(const uint32_t* __restrict__ p, uint3
   } else if constexpr (K == 2) {
     const uint2 v = __ldcs(reinterpret_cast<const uint2*>(p));
     w[0] = v.x; w[1] = v.y;
+  } else if constexpr (K == 5 && WIDE5) {
+    // 20-byte blocks start 8-byte aligned or 4 bytes past that (by block parity): two 8-byte loads and one 4-byte
+    // load, whichever the alignment, and the words put in order with selects. Five 32-bit loads per block kept the
+    // L1 data pipe at 71% of its peak, the busiest unit of the K = 5 kernel (docs/kernels.md, "Which unit binds").
+    const bool a8 = (reinterpret_cast<uintptr_t>(p) & 7) == 0;
+    const uint2 a = __ldcs(reinterpret_cast<const uint2*>(p + (a8 ? 0 : 1)));
+    const uint2 b = __ldcs(reinterpret_cast<const uint2*>(p + (a8 ? 2 : 3)));
+    const uint32_t c = __ldcs(p + (a8 ? 4 : 0));
+    w[0] = a8 ? a.x : c; w[1] = a8 ? a.y : a.x; w[2] = a8 ? b.x : a.y; w[3] = a8 ? b.y : b.x; w[4] = a8 ? c : b.y;
   } else {
 #pragma unroll
     for (int j = 0; j < K; ++j) w[j] = __ldcs(p + j);
@@ -360,7 +370,7 @@ __device__ __forceinline__ void load_step(Buf& b, const uint32_t* __restrict__ w
 
 // main-loop loads of one step (no bounds checks) through pointers that the loop advances: w0 / w1 point at the first
 // owned block (b0 + q) of rows g / g + 8, a0 / a1 at its block scale (bytes; 2 per scale when fp16)
-template <int K>
+template <int K, bool WIDE5>
 __device__ __forceinline__ void load_step_p(Buf& b, const uint32_t* __restrict__ w0, const uint32_t* __restrict__ w1,
                                             const unsigned char* __restrict__ a0,
                                             const unsigned char* __restrict__ a1, int fp16) {
@@ -368,8 +378,8 @@ __device__ __forceinline__ void load_step_p(Buf& b, const uint32_t* __restrict__
   for (int ob = 0; ob < 2; ++ob) {
 #pragma unroll
     for (int j = 0; j < 5; ++j) b.w[ob][0][j] = b.w[ob][1][j] = 0u;
-    load_words<K>(w0 + 4 * K * ob, b.w[ob][0]);
-    load_words<K>(w1 + 4 * K * ob, b.w[ob][1]);
+    load_words<K, WIDE5>(w0 + 4 * K * ob, b.w[ob][0]);
+    load_words<K, WIDE5>(w1 + 4 * K * ob, b.w[ob][1]);
     if (fp16) {
       b.sc[ob][0] = __ldcs(reinterpret_cast<const unsigned short*>(a0) + 4 * ob);
       b.sc[ob][1] = __ldcs(reinterpret_cast<const unsigned short*>(a1) + 4 * ob);
@@ -604,7 +614,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
   const T* __restrict__ xq = xg + boff * BLOCK;
   const int64_t dw = (int64_t)W * STEP * K, da = (int64_t)W * STEP * as, dx = (int64_t)W * STEP * BLOCK;
   if (st < nfs) {
-    load_step_p<K>(cur, pw0, pw1, pa0, pa1, fp16);
+    load_step_p<K, NT == 1>(cur, pw0, pw1, pa0, pa1, fp16);
     pw0 += dw; pw1 += dw; pa0 += da; pa1 += da;
   }
   // NT > 1: two activation stages per k split ([W][2][8 * NT][XS_TOKEN] bytes of dynamic shared memory), shared by
@@ -663,7 +673,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     for (; st < nfs; st += W, ++it) {
       Buf nxt;
       if (st + W < nfs) {
-        load_step_p<K>(nxt, pw0, pw1, pa0, pa1, fp16);
+        load_step_p<K, NT == 1>(nxt, pw0, pw1, pa0, pa1, fp16);
         pw0 += dw; pw1 += dw; pa0 += da; pa1 += da;
       }
       if constexpr (NT == 1) {
