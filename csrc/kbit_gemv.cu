@@ -287,8 +287,9 @@ __device__ __forceinline__ void load_words(const uint32_t* __restrict__ p, uint3
     w[0] = v.x; w[1] = v.y;
   } else if constexpr (K == 5 && WIDE5) {
     // a 20-byte block starts 8-byte aligned or 4 bytes past that (the words are 4-byte aligned): two 8-byte loads
-    // and one 4-byte load for either case, chosen per lane by the address, and the words put in order with selects. Five 32-bit loads per block kept the
-    // L1 data pipe at 71% of its peak, the busiest unit of the K = 5 kernel (docs/kernels.md, "Which unit binds").
+    // and one 4-byte load for either case, chosen per lane by the address, and the words put in order with selects.
+    // Five 32-bit loads per block kept the L1 data pipe at 71% of its peak, the busiest unit of the K = 5 kernel
+    // (docs/kernels.md, "Which unit binds").
     const bool a8 = (reinterpret_cast<uintptr_t>(p) & 7) == 0;
     const uint2 a = __ldcs(reinterpret_cast<const uint2*>(p + (a8 ? 0 : 1)));
     const uint2 b = __ldcs(reinterpret_cast<const uint2*>(p + (a8 ? 2 : 3)));
