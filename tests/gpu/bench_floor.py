@@ -5,10 +5,13 @@ bandwidth of the same run.
 
 usage: nvcc -arch=sm_90 -O3 -shared -Xcompiler -fPIC -cudart static -o libfloor.so tests/gpu/floor_kernels.cu
        python tests/gpu/bench_floor.py libfloor.so [json_out]
+       FLOOR_TILES=1 python tests/gpu/bench_floor.py libfloor.so [json_out]   (only the GEMV's load pattern,
+           floor_tileread; FLOOR_TILES_CASES="W:D:CTAs,...", D = 11 / 12: the 8-row pattern)
 """
 
 import ctypes
 import json
+import os
 import sys
 
 import torch
@@ -32,6 +35,40 @@ def main():
         rows.append({"case": name, "us": us, "bytes": nbytes, "pct_copy": pct})
         print(f"{name:44} {us:9.2f} us" + (f"  {pct:5.1f}% of copy" if pct else ""), flush=True)
 
+    if os.environ.get("FLOOR_TILES"):
+        tile_reads(lib, sink, stream, report)
+    else:
+        floor_cases(lib, sms, sink, stream, report)
+    if len(sys.argv) > 2:
+        with open(sys.argv[2], "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows}, f, indent=1)
+
+
+def tile_reads(lib, sink, stream, report):
+    """The GEMV's load pattern without its decode (floor_tileread), K = 4 bytes of the issue's shapes."""
+    lib.floor_tileread.restype = ctypes.c_int
+    smem_per_sm = torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor
+    for out_f, in_f in ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)):
+        nb = in_f // 32
+        nbytes = out_f * nb * 17
+        n = _n_copies(nbytes)
+        ws = [torch.empty(out_f, nb * 16, dtype=torch.uint8, device="cuda").random_(0, 255) for _ in range(n)]
+        aws = [torch.empty(out_f, nb, dtype=torch.uint8, device="cuda").random_(0, 255) for _ in range(n)]
+        cases = os.environ.get("FLOOR_TILES_CASES", "4:1:4,8:1:2,4:2:4,4:4:4,8:2:2,4:1:0,4:2:0")
+        for warps, depth, ctas in (tuple(int(v) for v in c.split(":")) for c in cases.split(",")):
+            # ctas: resident CTAs per SM forced through dynamic shared memory (16 warps per SM, as the GEMV's
+            # registers allow); 0: as many as fit. depth 11 / 12: the 8-row pattern (floor_kernels.cu)
+            smem = smem_per_sm // ctas - 1024 - 256 if ctas else 0
+            pattern = f"8 rows D={depth % 10}" if depth > 10 else f"16 rows D={depth}"
+            report(f"tileread {out_f}x{in_f} {pattern} W={warps} {ctas or 'max'}/SM", nbytes,
+                   [lambda w=w, a=a, warps=warps, depth=depth, smem=smem: lib.floor_tileread(
+                       ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(a.data_ptr()), out_f, in_f, warps, depth,
+                       smem, ctypes.c_void_p(sink.data_ptr()), stream()) for w, a in zip(ws, aws)])
+        del ws, aws
+
+
+def floor_cases(lib, sms, sink, stream, report):
+    """The empty kernel, pure reads, writes and the dequantize pattern."""
     report(f"empty kernel, {sms} CTAs", 0, [lambda: lib.floor_empty(sms, stream())] * 200)
     # packed K=4 bytes (4.25 bits per weight) of the issue's GEMV shapes, plus a K=2 one
     for label, nbytes in (("1024x4096 K=4", 1024 * 4096 * 17 // 32), ("4096x4096 K=4", 4096 * 4096 * 17 // 32),
@@ -61,9 +98,6 @@ def main():
             report(f"expand {src_bytes / 1e6:.0f} -> 134 MB ({label}), grid {mult}x", src_bytes + out_bytes,
                    [lambda s=s, d=d, g=g: lib.floor_expand(ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(d.data_ptr()),
                                                            out_bytes, r, g, stream()) for s, d in zip(srcs, dsts)])
-    if len(sys.argv) > 2:
-        with open(sys.argv[2], "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_bw": bw, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
