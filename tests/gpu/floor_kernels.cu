@@ -43,6 +43,8 @@ __global__ void __launch_bounds__(256) expand_kernel(const uint4* __restrict__ s
     dst[j] = make_uint4(v.x + s, v.y ^ s, v.z - s, v.w | s);
   }
 }
+
+// (whole steps only: the issue's shapes have a multiple of 16 blocks per row)
 template <int D, int ROWS>
 __global__ void __launch_bounds__(256) tileread_kernel(const uint32_t* __restrict__ packed,
                                                        const uint8_t* __restrict__ absmax, int64_t out, int nb,
@@ -63,7 +65,10 @@ __global__ void __launch_bounds__(256) tileread_kernel(const uint32_t* __restric
   unsigned sc[D];
   auto load = [&](int i, int st) {
     const int b = st * SB;
-    buf[i][0] = __ldcs(p0 + b); buf[i][1] = __ldcs(p0 + b + 4); buf[i][2] = __ldcs(p1 + b); buf[i][3] = __ldcs(p1 + b + 4);
+    buf[i][0] = __ldcs(p0 + b);
+    buf[i][1] = __ldcs(p0 + b + 4);
+    buf[i][2] = __ldcs(p1 + b);
+    buf[i][3] = __ldcs(p1 + b + 4);
     sc[i] = __ldcs(a0 + b) ^ (__ldcs(a0 + b + 4) << 8) ^ (__ldcs(a1 + b) << 16) ^ (__ldcs(a1 + b + 4) << 24);
   };
 #pragma unroll
