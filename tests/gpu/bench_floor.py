@@ -6,7 +6,7 @@ bandwidth of the same run.
 usage: nvcc -arch=sm_90 -O3 -shared -Xcompiler -fPIC -cudart static -o libfloor.so tests/gpu/floor_kernels.cu
        python tests/gpu/bench_floor.py libfloor.so [json_out]
        FLOOR_TILES=1 python tests/gpu/bench_floor.py libfloor.so [json_out]   (only the GEMV's load pattern,
-           floor_tileread; FLOOR_TILES_CASES="W:D:CTAs,...", D = 11 / 12: the 8-row pattern)
+           floor_tileread; FLOOR_TILES_CASES="warps:depth:CTAs per SM:rows,...", rows 16 or 8)
 """
 
 import ctypes
@@ -48,21 +48,22 @@ def tile_reads(lib, sink, stream, report):
     """The GEMV's load pattern without its decode (floor_tileread), K = 4 bytes of the issue's shapes."""
     lib.floor_tileread.restype = ctypes.c_int
     smem_per_sm = torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor
+    cases = os.environ.get("FLOOR_TILES_CASES", "4:1:4:16,8:1:2:16,4:2:4:16,4:4:4:16,8:2:2:16,4:1:0:16,4:2:0:16,"
+                                                "4:1:4:8,8:1:2:8,4:2:4:8,8:2:2:8")
+    cases = [tuple(int(v) for v in c.split(":")) for c in cases.split(",")]
     for out_f, in_f in ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)):
         nb = in_f // 32
         nbytes = out_f * nb * 17
         n = _n_copies(nbytes)
         ws = [torch.empty(out_f, nb * 16, dtype=torch.uint8, device="cuda").random_(0, 255) for _ in range(n)]
         aws = [torch.empty(out_f, nb, dtype=torch.uint8, device="cuda").random_(0, 255) for _ in range(n)]
-        cases = os.environ.get("FLOOR_TILES_CASES", "4:1:4,8:1:2,4:2:4,4:4:4,8:2:2,4:1:0,4:2:0")
-        for warps, depth, ctas in (tuple(int(v) for v in c.split(":")) for c in cases.split(",")):
+        for warps, depth, ctas, rows in cases:
             # ctas: resident CTAs per SM forced through dynamic shared memory (16 warps per SM, as the GEMV's
-            # registers allow); 0: as many as fit. depth 11 / 12: the 8-row pattern (floor_kernels.cu)
+            # registers allow); 0: as many as fit. rows: the tile (floor_kernels.cu)
             smem = smem_per_sm // ctas - 1024 - 256 if ctas else 0
-            pattern = f"8 rows D={depth % 10}" if depth > 10 else f"16 rows D={depth}"
-            report(f"tileread {out_f}x{in_f} {pattern} W={warps} {ctas or 'max'}/SM", nbytes,
-                   [lambda w=w, a=a, warps=warps, depth=depth, smem=smem: lib.floor_tileread(
-                       ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(a.data_ptr()), out_f, in_f, warps, depth,
+            report(f"tileread {out_f}x{in_f} {rows} rows D={depth} W={warps} {ctas or 'max'}/SM", nbytes,
+                   [lambda w=w, a=a, warps=warps, depth=depth, rows=rows, smem=smem: lib.floor_tileread(
+                       ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(a.data_ptr()), out_f, in_f, warps, depth, rows,
                        smem, ctypes.c_void_p(sink.data_ptr()), stream()) for w, a in zip(ws, aws)])
         del ws, aws
 

@@ -7,6 +7,12 @@
 //   floor_expand  the dequantize access pattern: output 16-byte chunk j = a function of input chunk j / R, so R
 //                 neighbouring threads read the same 16 bytes (one line per warp) and the write stream is R times
 //                 the read stream (R = 4: K = 4 to bf16, R = 8: K = 2).
+//   floor_tileread the GEMV's load pattern without its decode: a CTA per tile of a K = 4 packed matrix, W warps
+//                 splitting the input dimension in steps, `depth` steps in flight per warp (a register ring), their
+//                 scale bytes too; dynamic shared memory caps the resident CTAs per SM as the GEMV's registers do.
+//                 rows = 16: the M <= 8 kernel's pattern (lane 4g + q: blocks q, q + 4 of rows g, g + 8, steps of 8
+//                 blocks); rows = 8: blocks q, q + 4, q + 8, q + 12 of row g (the same bytes per lane, twice the run
+//                 per row, steps of 16 blocks).
 #include <cuda_runtime.h>
 #include <cstdint>
 
@@ -44,7 +50,7 @@ __global__ void __launch_bounds__(256) expand_kernel(const uint4* __restrict__ s
   }
 }
 
-// (whole steps only: the issue's shapes have a multiple of 16 blocks per row)
+// (whole steps only: the issue's shapes have a multiple of 16 blocks per row; see the file header)
 template <int D, int ROWS>
 __global__ void __launch_bounds__(256) tileread_kernel(const uint32_t* __restrict__ packed,
                                                        const uint8_t* __restrict__ absmax, int64_t out, int nb,
@@ -104,10 +110,8 @@ int floor_write(void* p, int64_t bytes, int grid, void* stream) {
   write_kernel<<<grid, 256, 0, (cudaStream_t)stream>>>((uint4*)p, bytes / 16);
   return (int)cudaGetLastError();
 }
-int floor_tileread(const void* packed, const void* absmax, int64_t out, int64_t in, int warps, int depth, int smem,
-                   unsigned* sink, void* stream) {
-  const int rows = depth >= 10 ? 8 : 16;  // depth 11, 12: the 8-row pattern with 1 or 2 steps in flight
-  depth %= 10;
+int floor_tileread(const void* packed, const void* absmax, int64_t out, int64_t in, int warps, int depth, int rows,
+                   int smem, unsigned* sink, void* stream) {
   const unsigned grid = (unsigned)((out + rows - 1) / rows);
   const int nb = (int)(in / 32);
   const auto* p = (const uint32_t*)packed;
@@ -124,6 +128,7 @@ int floor_tileread(const void* packed, const void* absmax, int64_t out, int64_t 
     if (depth == 2) return go(tileread_kernel<2, 8>);
     return (int)cudaErrorInvalidValue;
   }
+  if (rows != 16) return (int)cudaErrorInvalidValue;
   if (depth == 1) return go(tileread_kernel<1, 16>);
   if (depth == 2) return go(tileread_kernel<2, 16>);
   if (depth == 4) return go(tileread_kernel<4, 16>);

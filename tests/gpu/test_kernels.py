@@ -286,9 +286,9 @@ def test_cuda_graph_capture():
 
 @pytest.mark.parametrize("M", (1, 24))
 def test_gemv_chain_reads_the_previous_output(M):
-    """GEMVs that each read the previous one's output, back to back on one stream (the launch lets a GEMV start
-    before the previous kernel ends: it must still see that kernel's output), eager and replayed from a CUDA graph
-    with new inputs; against a float64 chain of the dequantized weights."""
+    """GEMVs that each read the previous one's output, back to back on one stream (each must see the output of the
+    kernel before it), eager and replayed from a CUDA graph into NaN-poisoned buffers with new inputs; against a
+    float64 chain of the dequantized weights."""
     cuda = _cuda()
     k, n, depth = 4, 1024, 6
     cb = fmt.nf_codebook(k).cuda()
