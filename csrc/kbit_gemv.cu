@@ -31,6 +31,9 @@
 //     it measured faster than either alone for K = 4.
 //   The block scale is applied to each pair with one HMUL2 (bf16x2 / f16x2); e4m4 scales decode exactly as
 //   uint_as_float(code << 19) * 2^116.
+// - Folded tiles (M <= 4, few output rows: see launch()): a CTA owns 8 rows and a step 16 blocks; the MMA's rows
+//   8..15 carry the step's second 8 blocks of the same 8 rows, their activations sit in B columns 4..7, and the two
+//   halves are added in the epilogue. Twice the CTAs of the 16-row grid, the same decode and bytes per lane.
 // - Token tiles (M = 9..64, template NT = 2, 4 or 8 tiles of 8 tokens; docs/kernels.md "Token tiles"): the same
 //   decode modes (NT = 8: the table), each half row-block decoded once for NT MMAs (register decode: the activations
 //   paired by PRMT); the CTA is blockDim.y row groups x blockDim.x / 32 k-split warps, and the row groups of one split
@@ -357,7 +360,8 @@ struct Buf {
   uint32_t sc[2][2];
 };
 
-template <int K, bool CHECK>
+// HB: block offset of the second half (the MMA's rows 8..15): 0, or STEP when folded (see gemv_kernel)
+template <int K, bool CHECK, int HB>
 __device__ __forceinline__ void load_step(Buf& b, const uint32_t* __restrict__ wb, uint32_t ow0, uint32_t ow1,
                                           const void* __restrict__ ab, uint32_t oa0, uint32_t oa1, int fp16, int b0,
                                           int q, int nb) {
@@ -365,7 +369,7 @@ __device__ __forceinline__ void load_step(Buf& b, const uint32_t* __restrict__ w
   for (int ob = 0; ob < 2; ++ob) {
     const int blk = b0 + q + 4 * ob;
     load_block<K, CHECK>(wb, ow0, ab, oa0, fp16, blk, nb, b.w[ob][0], b.sc[ob][0]);
-    load_block<K, CHECK>(wb, ow1, ab, oa1, fp16, blk, nb, b.w[ob][1], b.sc[ob][1]);
+    load_block<K, CHECK>(wb, ow1, ab, oa1, fp16, blk + HB, nb, b.w[ob][1], b.sc[ob][1]);
   }
 }
 
@@ -550,7 +554,13 @@ __device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restric
 // blockIdx.x * blockDim.y + threadIdx.y) x blockDim.x / 32 warps splitting the input dimension. With NT > 1 the row
 // groups of one split walk the same steps and share each step's activations through shared memory (stage_x): every
 // row tile needs all M tokens' activations, so more rows per CTA means less activation traffic.
-template <int K, typename T, int MODE, int NREG, int NT>
+// FOLD (NT = 1, M <= 4): a CTA owns 8 output rows, a step is 16 blocks, and the MMA's rows 8..15 hold the second
+// 8 blocks of the step of the same rows 0..7: lane 4g + q owns blocks b0 + q, b0 + 4 + q ("row g") and b0 + 8 + q,
+// b0 + 12 + q ("row g + 8") of row g. The B operand holds token t's activations of the first 8 blocks in column t
+// and of the second 8 in column 4 + t, so D[g][t] + D[g + 8][4 + t] is row g's sum. Same decode, same bytes per
+// lane, but 256-byte runs per row and step instead of 128 (the loads alone: 81% of copy against 68% on 14336x4096,
+// docs/kernels.md "What the GEMV's load pattern allows").
+template <int K, typename T, int MODE, int NREG, int NT, bool FOLD = false>
 __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     const T* __restrict__ x, int M, const uint32_t* __restrict__ packed, const void* __restrict__ absmax, int fp16,
     const float* __restrict__ scale, const float* __restrict__ codebook, const T* __restrict__ bias,
@@ -567,16 +577,20 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
   const int warp = threadIdx.x >> 5;                          // k split
   const int cw = threadIdx.y * W + warp;                      // warp in the CTA
   const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
-  const int64_t o0 = ((int64_t)blockIdx.x * blockDim.y + threadIdx.y) * TILE;
+  static_assert(!FOLD || NT == 1, "folded tiles are for M <= 4");
+  constexpr int TR = FOLD ? 8 : TILE;       // output rows per row group
+  constexpr int SB = FOLD ? 2 * STEP : STEP;  // blocks per step
+  constexpr int HB = FOLD ? STEP : 0;       // block offset of the MMA's rows 8..15
+  const int64_t o0 = ((int64_t)blockIdx.x * blockDim.y + threadIdx.y) * TR;
   int64_t e = 0;
   const T* xr = x;
   T* yr = y;
-  if (ids != nullptr) {  // (blockDim.y == 1 here)
+  if (ids != nullptr) {
     const int64_t n = blockIdx.y;
     const int64_t id = ids[n];
     yr = y + n * out;
     if (id < 0 || id >= E) {  // whole CTA: zero rows
-      if (tid < TILE && o0 + tid < out) yr[o0 + tid] = Cvt<T>::from_f(0.f);
+      if (threadIdx.x < TR && o0 + threadIdx.x < out) yr[o0 + threadIdx.x] = Cvt<T>::from_f(0.f);
       return;
     }
     e = id;
@@ -591,29 +605,32 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
   const int64_t orow = o0 < out ? o0 : out - 1;
   const int64_t rb = e * out + orow;
   const uint32_t d0 = (uint32_t)((o0 + g < out ? o0 + g : out - 1) - orow);
-  const uint32_t d1 = (uint32_t)((o0 + g + 8 < out ? o0 + g + 8 : out - 1) - orow);
+  const uint32_t d1 = FOLD ? d0 : (uint32_t)((o0 + g + 8 < out ? o0 + g + 8 : out - 1) - orow);
   const int64_t rw = (int64_t)nb * K;
   const uint32_t* __restrict__ wb = packed + rb * rw;
   const uint32_t ow0 = d0 * (uint32_t)rw, ow1 = d1 * (uint32_t)rw;
   const int as = fp16 ? 2 : 1;
   const void* ab = reinterpret_cast<const char*>(absmax) + rb * nb * as;
   const uint32_t oa0 = d0 * (uint32_t)nb, oa1 = d1 * (uint32_t)nb;
-  const bool xon = g < M;
-  const T* xg = xr + (int64_t)(xon ? g : 0) * in;
+  // B column g: token g (FOLD: token g % 4, of the step's blocks 8 * (g / 4) ..)
+  const int tok = FOLD ? (g & 3) : g, xb = FOLD ? (g >> 2) * STEP : 0;
+  const bool xon = tok < M;
+  const T* xg = xr + (int64_t)(xon ? tok : 0) * in;
 
-  // full steps: 8 blocks whose 32 columns all lie inside the row (x 16-byte aligned); the first step's loads are
+  // full steps: SB blocks whose 32 columns all lie inside the row (x 16-byte aligned); the first step's loads are
   // issued before the pair table is built
-  const int nfs = vec ? (in / BLOCK) / STEP : 0;
+  const int nfs = vec ? (in / BLOCK) / SB : 0;
   int st = warp;
   Buf cur;
   // main-loop pointers, at step st's first owned block
-  const int64_t boff = (int64_t)st * STEP + q;
+  const int64_t boff = (int64_t)st * SB + q;
   const uint32_t* __restrict__ pw0 = wb + ow0 + boff * K;
-  const uint32_t* __restrict__ pw1 = wb + ow1 + boff * K;
+  const uint32_t* __restrict__ pw1 = wb + ow1 + (boff + HB) * K;
   const unsigned char* __restrict__ pa0 = reinterpret_cast<const unsigned char*>(ab) + ((int64_t)oa0 + boff) * as;
-  const unsigned char* __restrict__ pa1 = reinterpret_cast<const unsigned char*>(ab) + ((int64_t)oa1 + boff) * as;
-  const T* __restrict__ xq = xg + boff * BLOCK;
-  const int64_t dw = (int64_t)W * STEP * K, da = (int64_t)W * STEP * as, dx = (int64_t)W * STEP * BLOCK;
+  const unsigned char* __restrict__ pa1 =
+      reinterpret_cast<const unsigned char*>(ab) + ((int64_t)oa1 + boff + HB) * as;
+  const T* __restrict__ xq = xg + (boff + xb) * BLOCK;
+  const int64_t dw = (int64_t)W * SB * K, da = (int64_t)W * SB * as, dx = (int64_t)W * SB * BLOCK;
   if (st < nfs) {
     load_step_p<K, NT == 1>(cur, pw0, pw1, pa0, pa1, fp16);
     pw0 += dw; pw1 += dw; pa0 += da; pa1 += da;
@@ -678,7 +695,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
         pw0 += dw; pw1 += dw; pa0 += da; pa1 += da;
       }
       if constexpr (NT == 1) {
-        compute_step<K, T, false, MODE>(cur, xg, xq, xon, fp16, st * STEP, q, nb, in, c4, tb, tl, th, acc[0]);
+        compute_step<K, T, false, MODE>(cur, xg, xq, xon, fp16, st * SB + xb, q, nb, in, c4, tb, tl, th, acc[0]);
         xq += dx;
       } else {
         // stage the next step's activations into the other buffer (its readers passed the barrier at the end of the
@@ -694,12 +711,12 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
       cur = nxt;
     }
   }
-  // the remaining blocks (fewer than 8, or all of them when x is not vector-loadable): checked, strided over warps
-  for (int s2 = nfs + warp; s2 * STEP < nb; s2 += W) {
+  // the remaining blocks (fewer than SB, or all of them when x is not vector-loadable): checked, strided over warps
+  for (int s2 = nfs + warp; s2 * SB < nb; s2 += W) {
     Buf tb2;
-    load_step<K, true>(tb2, wb, ow0, ow1, ab, oa0, oa1, fp16, s2 * STEP, q, nb);
+    load_step<K, true, HB>(tb2, wb, ow0, ow1, ab, oa0, oa1, fp16, s2 * SB, q, nb);
     if constexpr (NT == 1)
-      compute_step<K, T, true, MODE>(tb2, xg, xg, xon, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th, acc[0]);
+      compute_step<K, T, true, MODE>(tb2, xg, xg, xon, fp16, s2 * SB + xb, q, nb, in, c4, tb, tl, th, acc[0]);
     else
       compute_step_nt<K, T, true, NT, MODE>(tb2, xg, nullptr, M, g, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th,
                                             acc);
@@ -723,18 +740,33 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
       acc[nt][i] = v;
     }
   const float sc = scale[e] * Mma<T>::POST;
+  if constexpr (FOLD) {
+    // lane (g, q < 2): D[g][2q + i] here, D[g + 8][4 + 2q + i] in lane (g, q + 2)'s acc[2 + i]
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int m = 8 * nt + 2 * q + (i & 1);
-      const int64_t o = o0 + g + 8 * (i >> 1);
-      if (m < M && o < out) {
-        float v = acc[nt][i] * sc;
-        if (bias != nullptr) v += Cvt<T>::to_f(bias[o]);
-        yr[(int64_t)m * out + o] = Cvt<T>::from_f(v);
+    for (int i = 0; i < 2; ++i) {
+      const float v = acc[0][i] + __shfl_down_sync(0xFFFFFFFFu, acc[0][2 + i], 2);
+      const int m = 2 * q + i;
+      const int64_t o = o0 + g;
+      if (q < 2 && m < M && o < out) {
+        float r = v * sc;
+        if (bias != nullptr) r += Cvt<T>::to_f(bias[o]);
+        yr[(int64_t)m * out + o] = Cvt<T>::from_f(r);
       }
     }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = 8 * nt + 2 * q + (i & 1);
+        const int64_t o = o0 + g + 8 * (i >> 1);
+        if (m < M && o < out) {
+          float v = acc[nt][i] * sc;
+          if (bias != nullptr) v += Cvt<T>::to_f(bias[o]);
+          yr[(int64_t)m * out + o] = Cvt<T>::from_f(v);
+        }
+      }
+  }
 }
 
 // KBIT_GEMV_CFG parser: code[K] = -1 (default), 0 (table) or mode * 1000 + cap (mode 1 = registers, 2 = hybrid)
@@ -821,12 +853,28 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
   if (M > 32) return launch_nt<K, T, 8>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
   if (M > 8) return M > 16 ? launch_nt<K, T, 4>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st)
                            : launch_nt<K, T, 2>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
-  const int64_t tiles = (out + TILE - 1) / TILE;
-  dim3 grid((unsigned)tiles, (unsigned)(ids ? N : 1));
+  // M <= 4 on layers with few output rows: folded 8-row tiles (see gemv_kernel), with the default decode. They double
+  // the CTAs of a grid that leaves SMs idle: 1.07-1.32x on 512..3072 x 2048..4096 (H100, docs/kernels.md "Folded
+  // tiles"); not faster from 4096 rows up, slower for in < 2048 (too few 16-block steps per row). Benchmark knob
+  // (read once): KBIT_GEMV_FOLD=0 / 1: never / whenever M <= 4.
+  static const int fold_env = [] {
+    const char* v = getenv("KBIT_GEMV_FOLD");
+    return v == nullptr ? -1 : strcmp(v, "1") == 0 ? 1 : strcmp(v, "0") == 0 ? 0 : -1;
+  }();
+  static const GemvCfg cfg_env = parse_gemv_cfg(getenv("KBIT_GEMV_CFG"));
+  int dev = 0, sms = 0;
+  if (!current_device_sms(dev, sms)) return (int)cudaErrorInvalidDevice;
+  const int64_t rows = ids ? N : 1;  // grid.y
+  const bool fold = M <= 4 && (K == 5 || cfg_env.code[K] < 0) &&
+                    (fold_env == 1 || (fold_env < 0 && in >= 2048 && 2 * ((out + TILE - 1) / TILE) * rows <= 3 * sms));
+  const int tr = fold ? 8 : TILE;
+  const int64_t tiles = (out + tr - 1) / tr;
+  dim3 grid((unsigned)tiles, (unsigned)rows);
   if (grid.y > 65535u || tiles > 0x7FFFFFFF) return (int)cudaErrorInvalidConfiguration;
-  // enough warps for ~16 per SM on a 132-SM part: 8 per tile for few tiles of long rows, else 4
+  // warps per CTA: enough for ~16 per SM on a 132-SM part, 8 per tile for few tiles of long rows, else 4 (folded:
+  // 8 while the 8-row tiles fit on the SMs once and a row has at least 8 steps)
   const int64_t work = tiles * (int64_t)grid.y;
-  int W = (work * 4 < 2048 && nb >= 16 * STEP) ? 8 : 4;
+  int W = fold ? ((work <= sms && nb >= 16 * STEP) ? 8 : 4) : ((work * 4 < 2048 && nb >= 16 * STEP) ? 8 : 4);
   static const int w_env = [] {  // tuning knob for benchmarks: KBIT_GEMV_WARPS = 1, 2, 4 or 8
     const char* v = getenv("KBIT_GEMV_WARPS");
     const int n = v ? atoi(v) : 0;
@@ -840,9 +888,9 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
   // "2=r80,3=r96,4=h96" (t = table; cap 80, 96 or 128), "*=..." for every K <= 4. The caps 80 / 96 (ptxas: no or few
   // spills for K = 2, 3; 8 / 80 bytes for K = 4) pass the GPU tests but were no faster anywhere and 11-30% slower for
   // K = 4 (docs/kernels.md, register caps), so the default cap stays 128.
-  static const GemvCfg cfg_env = parse_gemv_cfg(getenv("KBIT_GEMV_CFG"));
-  auto kern = gemv_kernel<K, T, 0, 128, 1>;
-  if constexpr (K <= 4) {
+  constexpr int kFoldMode = K == 5 ? 0 : K == 4 ? 2 : 1;
+  auto kern = fold ? gemv_kernel<K, T, kFoldMode, 128, 1, true> : gemv_kernel<K, T, 0, 128, 1>;
+  if (K <= 4 && !fold) {
     constexpr int kDefault = K == 4 ? 2128 : 1128;
     switch (cfg_env.code[K] >= 0 ? cfg_env.code[K] : kDefault) {
       case 0: kern = gemv_kernel<K, T, 0, 128, 1>; break;

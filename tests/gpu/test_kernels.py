@@ -128,7 +128,10 @@ def _assert_linear_close(y, ref, mag, dtype, rel_w=0.0):
     assert bool((err <= tol).all()), f"max err {err.max().item()} vs tol {tol[err > tol][:3].tolist()}"
 
 
-GEMV_SHAPES = [(1, 32), (1, 4096), (7, 100), (33, 8), (256, 1000), (4096, 4096), (300, 14336), (64, 72), (40, 4104)]
+# M <= 4 on (1, 4096), (300, 14336), (40, 4104), (37, 2088) runs the folded 8-row tiles (few rows, in >= 2048);
+# (37, 2088): a partial tile, step and block there
+GEMV_SHAPES = [(1, 32), (1, 4096), (7, 100), (33, 8), (256, 1000), (4096, 4096), (300, 14336), (64, 72), (40, 4104),
+               (37, 1280), (37, 2088)]
 # The fused GEMV runs on the tensor cores: the weight reaches the MMA as activation-dtype values, cb and the block
 # scale each rounded to bf16/fp16 and their product rounded once more (<= 3 roundings of 2^-9 / 2^-12 relative).
 GEMV_REL_W = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
@@ -169,10 +172,12 @@ def test_gemv(k, dtype, M, shape):
 
 
 @pytest.mark.parametrize("k", KS)
-@pytest.mark.parametrize("M", (1, 5, 20, 40))
-def test_gemv_misaligned_x(k, M):
-    """Activations 2 bytes off a 16-byte boundary (in % 8 == 0): the checked activation loads on every step."""
-    out_f, in_f, dtype = 70, 1024, torch.bfloat16
+@pytest.mark.parametrize("M", (1, 4, 5, 20, 40))
+@pytest.mark.parametrize("shape", ((70, 1024), (37, 2080)), ids=str)
+def test_gemv_misaligned_x(k, M, shape):
+    """Activations 2 bytes off a 16-byte boundary (in % 8 == 0): the checked activation loads on every step
+    (37 x 2080 at M <= 4: the folded tiles)."""
+    (out_f, in_f), dtype = shape, torch.bfloat16
     cb = fmt.nf_codebook(k)
     g = torch.Generator().manual_seed(5 * M + k)
     p, a, s = reference.quantize(torch.randn(out_f, in_f, generator=g), cb, k, "e4m4")
@@ -224,13 +229,15 @@ def test_linear_large_m(k, dtype, M):
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32), ids=str)
 @pytest.mark.parametrize("N", (1, 5, 64, 100, 1100))
 @pytest.mark.parametrize("path", ("per_row", "grouped"))
-def test_expert_linear(k, dtype, N, path, monkeypatch):
+@pytest.mark.parametrize("shape", ((40, 136), (24, 2080)), ids=str)
+def test_expert_linear(k, dtype, N, path, shape, monkeypatch):
     """Both expert paths for every N: the per-row kernel, and rows grouped by expert (one fused linear per expert
-    present, dequantize + cuBLAS above 64 rows), forced through the row threshold."""
+    present, dequantize + cuBLAS above 64 rows), forced through the row threshold. 24 x 2080 with few rows: the
+    folded 8-row tiles."""
     from kbit_hf import cuda_backend
 
     monkeypatch.setattr(cuda_backend, "EXPERT_GEMV_MAX_N", 65535 if path == "per_row" else 0)
-    E, out_f, in_f = 6, 40, 136
+    E, (out_f, in_f) = 6, shape
     cb = fmt.nf_codebook(k)
     g = torch.Generator().manual_seed(N + k)
     w = torch.randn(E, out_f, in_f, generator=g)
