@@ -854,9 +854,10 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
   if (M > 8) return M > 16 ? launch_nt<K, T, 4>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st)
                            : launch_nt<K, T, 2>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
   // M <= 4 on layers with few output rows: folded 8-row tiles (see gemv_kernel), with the default decode. They double
-  // the CTAs of a grid that leaves SMs idle: 1.07-1.32x on 512..3072 x 2048..4096 (H100, docs/kernels.md "Folded
-  // tiles"); not faster from 4096 rows up, slower for in < 2048 (too few 16-block steps per row). Benchmark knob
-  // (read once): KBIT_GEMV_FOLD=0 / 1: never / whenever M <= 4.
+  // the CTAs of a grid that leaves SMs idle: used while the 16-row grid has at most 1.5 CTAs per SM (K = 2, 3 at
+  // M = 1: 2) and in >= 2048. H100 (docs/kernels.md "Folded tiles"): 1.07-1.32x on 512..3072 x 2048..4096; at 4096
+  // rows only K = 2, 3 at M = 1 gain (M = 4 lost up to 10%); slower for in < 2048 (too few 16-block steps per row).
+  // Benchmark knob (read once): KBIT_GEMV_FOLD=0 / 1: never / whenever M <= 4.
   static const int fold_env = [] {
     const char* v = getenv("KBIT_GEMV_FOLD");
     return v == nullptr ? -1 : strcmp(v, "1") == 0 ? 1 : strcmp(v, "0") == 0 ? 0 : -1;
@@ -866,7 +867,8 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
   if (!current_device_sms(dev, sms)) return (int)cudaErrorInvalidDevice;
   const int64_t rows = ids ? N : 1;  // grid.y
   const bool fold = M <= 4 && (K == 5 || cfg_env.code[K] < 0) &&
-                    (fold_env == 1 || (fold_env < 0 && in >= 2048 && 2 * ((out + TILE - 1) / TILE) * rows <= 3 * sms));
+                    (fold_env == 1 || (fold_env < 0 && in >= 2048 &&
+                                       2 * ((out + TILE - 1) / TILE) * rows <= (K <= 3 && M == 1 ? 4 : 3) * sms));
   const int tr = fold ? 8 : TILE;
   const int64_t tiles = (out + tr - 1) / tr;
   dim3 grid((unsigned)tiles, (unsigned)rows);
