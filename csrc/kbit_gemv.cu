@@ -558,8 +558,8 @@ __device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restric
 // 8 blocks of the step of the same rows 0..7: lane 4g + q owns blocks b0 + q, b0 + 4 + q ("row g") and b0 + 8 + q,
 // b0 + 12 + q ("row g + 8") of row g. The B operand holds token t's activations of the first 8 blocks in column t
 // and of the second 8 in column 4 + t, so D[g][t] + D[g + 8][4 + t] is row g's sum. Same decode, same bytes per
-// lane, but 256-byte runs per row and step instead of 128 (the loads alone: 81% of copy against 68% on 14336x4096,
-// docs/kernels.md "What the GEMV's load pattern allows").
+// lane, 256-byte runs per row and step instead of 128, twice the CTAs: faster only where the 16-row grid leaves SMs
+// idle (docs/kernels.md, eighth session).
 template <int K, typename T, int MODE, int NREG, int NT, bool FOLD = false>
 __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     const T* __restrict__ x, int M, const uint32_t* __restrict__ packed, const void* __restrict__ absmax, int fp16,
@@ -855,8 +855,8 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
                            : launch_nt<K, T, 2>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
   // M <= 4 on layers with few output rows: folded 8-row tiles (see gemv_kernel), with the default decode. They double
   // the CTAs of a grid that leaves SMs idle: used while the 16-row grid has at most 1.5 CTAs per SM (K = 2, 3 at
-  // M = 1: 2) and in >= 2048. H100 (docs/kernels.md "Folded tiles"): 1.07-1.32x on 512..3072 x 2048..4096; at 4096
-  // rows only K = 2, 3 at M = 1 gain (M = 4 lost up to 10%); slower for in < 2048 (too few 16-block steps per row).
+  // M = 1: 2) and in >= 2048. H100 (docs/kernels.md, eighth session): 1.05-1.32x on 512..3072 x 2048..4096; at 4096
+  // rows only K = 2, 3 at M = 1 gain (M = 4 lost up to 12%); slower for in < 2048 (too few 16-block steps per row).
   // Benchmark knob (read once): KBIT_GEMV_FOLD=0 / 1: never / whenever M <= 4.
   static const int fold_env = [] {
     const char* v = getenv("KBIT_GEMV_FOLD");
