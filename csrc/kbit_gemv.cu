@@ -374,7 +374,8 @@ __device__ __forceinline__ void load_step(Buf& b, const uint32_t* __restrict__ w
 }
 
 // main-loop loads of one step (no bounds checks) through pointers that the loop advances: w0 / w1 point at the first
-// owned block (b0 + q) of rows g / g + 8, a0 / a1 at its block scale (bytes; 2 per scale when fp16)
+// owned block of the MMA's rows g / g + 8 (b0 + q of rows g / g + 8; FOLD: b0 + q / b0 + 8 + q of row g), a0 / a1 at
+// its block scale (bytes; 2 per scale when fp16)
 template <int K, bool WIDE5>
 __device__ __forceinline__ void load_step_p(Buf& b, const uint32_t* __restrict__ w0, const uint32_t* __restrict__ w1,
                                             const unsigned char* __restrict__ a0,
@@ -395,7 +396,8 @@ __device__ __forceinline__ void load_step_p(Buf& b, const uint32_t* __restrict__
   }
 }
 
-// xq (main loop only, !CHECK): the activations of block b0 + q of token g; CHECK: xr (row of token g) and blk
+// xq (main loop only, !CHECK): the activations of block b0 + q of the lane's token (b0 includes FOLD's block offset
+// xb); CHECK: xr (row of that token) and blk
 template <int K, typename T, bool CHECK, int MODE>
 __device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__ xr, const T* __restrict__ xq, bool xon,
                                              int fp16, int b0, int q, int nb, int in, uint32_t c4, const char* tb,
@@ -857,7 +859,8 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
   // the CTAs of a grid that leaves SMs idle: used while the 16-row grid has at most 1.5 CTAs per SM (K = 2, 3 at
   // M = 1: 2) and in >= 2048. H100 (docs/kernels.md, eighth session): 1.05-1.32x on 512..3072 x 2048..4096; at 4096
   // rows only K = 2, 3 at M = 1 gain (M = 4 lost up to 12%); slower for in < 2048 (too few 16-block steps per row).
-  // Benchmark knob (read once): KBIT_GEMV_FOLD=0 / 1: never / whenever M <= 4.
+  // Benchmark knob (read once): KBIT_GEMV_FOLD=0 / 1: never / whenever M <= 4 (both only with the default decode:
+  // a KBIT_GEMV_CFG entry for that K turns folding off).
   static const int fold_env = [] {
     const char* v = getenv("KBIT_GEMV_FOLD");
     return v == nullptr ? -1 : strcmp(v, "1") == 0 ? 1 : strcmp(v, "0") == 0 ? 0 : -1;
@@ -866,7 +869,7 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
   int dev = 0, sms = 0;
   if (!current_device_sms(dev, sms)) return (int)cudaErrorInvalidDevice;
   const int64_t rows = ids ? N : 1;  // grid.y
-  const bool fold = M <= 4 && (K == 5 || cfg_env.code[K] < 0) &&
+  const bool fold = M <= 4 && cfg_env.code[K] < 0 &&
                     (fold_env == 1 || (fold_env < 0 && in >= 2048 &&
                                        2 * ((out + TILE - 1) / TILE) * rows <= (K <= 3 && M == 1 ? 4 : 3) * sms));
   const int tr = fold ? 8 : TILE;
@@ -892,9 +895,9 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
   // K = 4 (docs/kernels.md, register caps), so the default cap stays 128.
   constexpr int kFoldMode = K == 5 ? 0 : K == 4 ? 2 : 1;
   auto kern = fold ? gemv_kernel<K, T, kFoldMode, 128, 1, true> : gemv_kernel<K, T, 0, 128, 1>;
-  if (K <= 4 && !fold) {
+  if constexpr (K <= 4) {
     constexpr int kDefault = K == 4 ? 2128 : 1128;
-    switch (cfg_env.code[K] >= 0 ? cfg_env.code[K] : kDefault) {
+    if (!fold) switch (cfg_env.code[K] >= 0 ? cfg_env.code[K] : kDefault) {
       case 0: kern = gemv_kernel<K, T, 0, 128, 1>; break;
       case 1080: kern = gemv_kernel<K, T, 1, 80, 1>; break;
       case 1096: kern = gemv_kernel<K, T, 1, 96, 1>; break;
