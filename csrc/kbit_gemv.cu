@@ -580,9 +580,9 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
   const int cw = threadIdx.y * W + warp;                      // warp in the CTA
   const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
   static_assert(!FOLD || NT == 1, "folded tiles are for M <= 4");
-  constexpr int TR = FOLD ? 8 : TILE;       // output rows per row group
+  constexpr int TR = FOLD ? 8 : TILE;         // output rows per row group
   constexpr int SB = FOLD ? 2 * STEP : STEP;  // blocks per step
-  constexpr int HB = FOLD ? STEP : 0;       // block offset of the MMA's rows 8..15
+  constexpr int HB = FOLD ? STEP : 0;         // block offset of the MMA's rows 8..15
   const int64_t o0 = ((int64_t)blockIdx.x * blockDim.y + threadIdx.y) * TR;
   int64_t e = 0;
   const T* xr = x;
