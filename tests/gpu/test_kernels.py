@@ -264,9 +264,10 @@ def test_expert_linear(k, dtype, N, path, shape, monkeypatch):
             _assert_linear_close(yy[r : r + 1], ref[None], mag[None], dtype, rel_w=rel_w)
 
 
-def test_cuda_graph_capture():
+@pytest.mark.parametrize("shape", ((512, 1024), (1024, 4096)), ids=str)  # 1024 x 4096: the folded tiles
+def test_cuda_graph_capture(shape):
     cuda = _cuda()
-    k, out_f, in_f = 4, 512, 1024
+    k, (out_f, in_f) = 4, shape
     cb = fmt.nf_codebook(k).cuda()
     w = torch.randn(out_f, in_f, device="cuda")
     p, a, s = cuda.quantize(w, cb, k, "e4m4")
