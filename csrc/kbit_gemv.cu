@@ -59,6 +59,8 @@ constexpr int TILE = 16;        // output rows per CTA
 constexpr int STEP = 8;         // 32-element blocks per warp step
 constexpr int MAX_WARPS = 8;
 constexpr int MAX_M = 64;       // activation rows of the fused kernel (more: dequantize + cuBLAS)
+// default decode mode per K (see the file header): table for K = 5, hybrid for K = 4, registers for K = 2, 3
+constexpr int default_mode(int K) { return K == 5 ? 0 : K == 4 ? 2 : 1; }
 
 template <int K>
 struct Cfg {
@@ -741,34 +743,25 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
       for (int w2 = 1; w2 < W; ++w2) v += red[((cw0 + w2) * 4 * NT + 4 * nt + i) * 32 + lane];
       acc[nt][i] = v;
     }
-  const float sc = scale[e] * Mma<T>::POST;
+  // FOLD: row g's sum for token 2q + i is D[g][2q + i] (here, acc[i]) + D[g + 8][4 + 2q + i] (lane (g, q + 2)'s
+  // acc[2 + i]); only lanes q < 2 and i < 2 store
   if constexpr (FOLD) {
-    // lane (g, q < 2): D[g][2q + i] here, D[g + 8][4 + 2q + i] in lane (g, q + 2)'s acc[2 + i]
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float v = acc[0][i] + __shfl_down_sync(0xFFFFFFFFu, acc[0][2 + i], 2);
-      const int m = 2 * q + i;
-      const int64_t o = o0 + g;
-      if (q < 2 && m < M && o < out) {
-        float r = v * sc;
-        if (bias != nullptr) r += Cvt<T>::to_f(bias[o]);
-        yr[(int64_t)m * out + o] = Cvt<T>::from_f(r);
+    for (int i = 0; i < 2; ++i) acc[0][i] += __shfl_down_sync(0xFFFFFFFFu, acc[0][2 + i], 2);
+  }
+  const float sc = scale[e] * Mma<T>::POST;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < (FOLD ? 2 : 4); ++i) {
+      const int m = 8 * nt + 2 * q + (i & 1);
+      const int64_t o = o0 + g + 8 * (i >> 1);
+      if ((!FOLD || q < 2) && m < M && o < out) {
+        float v = acc[nt][i] * sc;
+        if (bias != nullptr) v += Cvt<T>::to_f(bias[o]);
+        yr[(int64_t)m * out + o] = Cvt<T>::from_f(v);
       }
     }
-  } else {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int m = 8 * nt + 2 * q + (i & 1);
-        const int64_t o = o0 + g + 8 * (i >> 1);
-        if (m < M && o < out) {
-          float v = acc[nt][i] * sc;
-          if (bias != nullptr) v += Cvt<T>::to_f(bias[o]);
-          yr[(int64_t)m * out + o] = Cvt<T>::from_f(v);
-        }
-      }
-  }
 }
 
 // KBIT_GEMV_CFG parser: code[K] = -1 (default), 0 (table) or mode * 1000 + cap (mode 1 = registers, 2 = hybrid)
@@ -824,7 +817,7 @@ int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absm
   const int64_t tiles = (out + TILE * RW - 1) / (TILE * RW);
   if (tiles > 0x7FFFFFFF) return (int)cudaErrorInvalidConfiguration;
   // NT = 8 decodes through the table: the register decode would hold all 8 tiles' activations (64 registers)
-  constexpr int kMode = (K == 5 || NT == 8) ? 0 : K == 4 ? 2 : 1;
+  constexpr int kMode = NT == 8 ? 0 : default_mode(K);
   constexpr int kRegs = NT == 8 ? 216 : 168;  // no spills (ptxas -v)
   auto kern = table_env ? gemv_kernel<K, T, 0, kRegs, NT> : gemv_kernel<K, T, kMode, kRegs, NT>;
   // activation stages: 2 per k split, 33 KB per split at NT = 4; the opt-in limit (the largest, KW * NT = 16) is set
@@ -879,7 +872,8 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
   // warps per CTA: enough for ~16 per SM on a 132-SM part, 8 per tile for few tiles of long rows, else 4 (folded:
   // 8 while the 8-row tiles fit on the SMs once and a row has at least 8 steps)
   const int64_t work = tiles * (int64_t)grid.y;
-  int W = fold ? ((work <= sms && nb >= 16 * STEP) ? 8 : 4) : ((work * 4 < 2048 && nb >= 16 * STEP) ? 8 : 4);
+  const bool few_tiles = fold ? work <= sms : work * 4 < 2048;
+  int W = (few_tiles && nb >= 16 * STEP) ? 8 : 4;
   static const int w_env = [] {  // tuning knob for benchmarks: KBIT_GEMV_WARPS = 1, 2, 4 or 8
     const char* v = getenv("KBIT_GEMV_WARPS");
     const int n = v ? atoi(v) : 0;
@@ -893,10 +887,9 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
   // "2=r80,3=r96,4=h96" (t = table; cap 80, 96 or 128), "*=..." for every K <= 4. The caps 80 / 96 (ptxas: no or few
   // spills for K = 2, 3; 8 / 80 bytes for K = 4) pass the GPU tests but were no faster anywhere and 11-30% slower for
   // K = 4 (docs/kernels.md, register caps), so the default cap stays 128.
-  constexpr int kFoldMode = K == 5 ? 0 : K == 4 ? 2 : 1;
-  auto kern = fold ? gemv_kernel<K, T, kFoldMode, 128, 1, true> : gemv_kernel<K, T, 0, 128, 1>;
+  auto kern = fold ? gemv_kernel<K, T, default_mode(K), 128, 1, true> : gemv_kernel<K, T, 0, 128, 1>;
   if constexpr (K <= 4) {
-    constexpr int kDefault = K == 4 ? 2128 : 1128;
+    constexpr int kDefault = default_mode(K) * 1000 + 128;
     if (!fold) switch (cfg_env.code[K] >= 0 ? cfg_env.code[K] : kDefault) {
       case 0: kern = gemv_kernel<K, T, 0, 128, 1>; break;
       case 1080: kern = gemv_kernel<K, T, 1, 80, 1>; break;
