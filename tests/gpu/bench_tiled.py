@@ -20,7 +20,7 @@ from kbit_hf import cuda_backend as cuda
 from kbit_hf import format as fmt
 from kbit_hf.bench.kernels import _kbit_weights, _n_copies, _time_graph, copy_bandwidth
 
-VARIANTS = [(4, 4), (4, 8), (8, 2), (8, 3), (8, 4), (12, 2), (12, 3), (16, 2)]
+VARIANTS = [(8, 2), (8, 3), (12, 2), (12, 3), (16, 1), (16, 2), (16, 3), (20, 1), (24, 1), (20, 2), (20, 3), (24, 2)]
 
 
 def tiled_layout_reference(packed, absmax, out_f, in_f):

@@ -27,9 +27,17 @@
 
 namespace {
 
-constexpr uint32_t TABLE = 0x10000;  // window address of the pair table (256 rows of 256 bytes, 128 used)
-constexpr uint32_t RING = 0x20000;   // window address of the rings
+// fixed shared-window addresses (the dynamic shared memory starts at or below BARS: checked in-kernel)
+constexpr uint32_t BARS = 0x1000;    // NW * S mbarriers
+constexpr uint32_t RED = 0x1400;     // boundary partials [NW][2][32 lanes][4] floats (<= 24 warps)
+constexpr uint32_t LOW = 0x7400;     // the first ring slots, below the table
+constexpr uint32_t TABLE = 0x10000;  // the pair table (256 rows of 256 bytes, 128 used)
+constexpr uint32_t RING = 0x20000;   // the other ring slots
 constexpr uint32_t ITEM_W = 2048, ITEM_A = 128, SLOT = ITEM_W + ITEM_A;
+constexpr uint32_t NLOW = (TABLE - LOW) / SLOT;
+// window address of ring slot i (warp * S + s)
+__host__ __device__ constexpr uint32_t slot_addr(uint32_t i) { return i < NLOW ? LOW + i * SLOT : RING + (i - NLOW) * SLOT; }
+__host__ __device__ constexpr uint32_t smem_end(uint32_t nslots) { return nslots <= NLOW ? RING : slot_addr(nslots); }
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
   uint32_t r;
@@ -93,12 +101,11 @@ __global__ void __launch_bounds__(NW * 32, 1) tiled_gemv_kernel(const __nv_bfloa
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
   unsigned char* win = smem - base;  // win + window address = generic pointer
-  // below the table: NW * S mbarriers, then the boundary partials [NW][2][32 lanes][4]
-  const uint32_t bars = (base + 7u) & ~7u;
-  const uint32_t red = (bars + NW * S * 8 + 15u) & ~15u;
+  static_assert(BARS + NW * S * 8 <= RED && RED + NW * 2 * 128 * 4 <= LOW, "shared-memory map");
+  constexpr uint32_t bars = BARS, red = RED;
   uint32_t dsz;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsz));
-  if (red + NW * 2 * 128 * 4 > TABLE || base + dsz < RING + NW * S * SLOT) __trap();
+  if (base > BARS || base + dsz < smem_end(NW * S)) __trap();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, q = lane & 3;
   const int64_t T = out / 16;
@@ -108,14 +115,14 @@ __global__ void __launch_bounds__(NW * 32, 1) tiled_gemv_kernel(const __nv_bfloa
   const int64_t u0 = n * warp / NW, u1 = n * (warp + 1) / NW;
   const uint8_t* wsrc = wt + (t0 * IPT) * ITEM_W;
   const uint8_t* asrc = at + (t0 * IPT) * ITEM_A;
-  const uint32_t ring = RING + warp * S * SLOT, wbar = bars + warp * S * 8;
+  const uint32_t wbar = bars + warp * S * 8;
   if (lane == 0) {
     for (int s = 0; s < S; ++s) mbar_init(wbar + 8 * s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     for (int s = 0; s < S && u0 + s < u1; ++s) {
       mbar_expect_tx(wbar + 8 * s, SLOT);
-      bulk_copy(ring + s * SLOT, wsrc + (u0 + s) * ITEM_W, ITEM_W, wbar + 8 * s);
-      bulk_copy(ring + s * SLOT + ITEM_W, asrc + (u0 + s) * ITEM_A, ITEM_A, wbar + 8 * s);
+      bulk_copy(slot_addr(warp * S + s), wsrc + (u0 + s) * ITEM_W, ITEM_W, wbar + 8 * s);
+      bulk_copy(slot_addr(warp * S + s) + ITEM_W, asrc + (u0 + s) * ITEM_A, ITEM_A, wbar + 8 * s);
     }
   }
   // pair table: entry P = (cb[P & 15], cb[P >> 4]) in bf16, 32 replicas of 4 bytes: 8 16-byte stores per entry
@@ -156,7 +163,7 @@ __global__ void __launch_bounds__(NW * 32, 1) tiled_gemv_kernel(const __nv_bfloa
     }
     const uint32_t k = (uint32_t)(u - u0), s = k % S;
     mbar_wait(wbar + 8 * s, (k / S) & 1u);
-    const uint32_t sl = ring + s * SLOT;
+    const uint32_t sl = slot_addr(warp * S + s);
     uint4 wv[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) wv[i] = lds128_at(sl + (i >> 1) * 1024 + lane * 32 + (i & 1) * 16);
@@ -282,7 +289,7 @@ int tiled_gemv(const void* x, int M, const void* wt, const void* at, const float
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   const unsigned gr = (unsigned)(grid > 0 ? grid : sms);
   auto go = [&](auto kern, int NW, int S) -> int {
-    const int dyn = (int)(RING + NW * S * SLOT);  // covers the window up to the rings' end (checked in-kernel)
+    const int dyn = (int)smem_end(NW * S);  // covers the window up to the last slot's end (checked in-kernel)
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
     if (e != cudaSuccess) return (int)e;
     kern<<<gr, NW * 32, dyn, (cudaStream_t)stream>>>((const __nv_bfloat16*)x, M, (const uint8_t*)wt,
@@ -292,7 +299,7 @@ int tiled_gemv(const void* x, int M, const void* wt, const void* at, const float
   };
 #define TG(NW, S) \
   if (nw == NW && stages == S) return go(tiled_gemv_kernel<NW, S>, NW, S);
-  TG(4, 4) TG(4, 8) TG(8, 2) TG(8, 3) TG(8, 4) TG(12, 2) TG(12, 3) TG(16, 2)
+  TG(8, 2) TG(8, 3) TG(12, 2) TG(12, 3) TG(16, 1) TG(16, 2) TG(20, 1) TG(24, 1) TG(16, 3) TG(20, 2) TG(20, 3) TG(24, 2)
 #undef TG
   return (int)cudaErrorInvalidValue;
 }
