@@ -4,7 +4,7 @@
     python tests/gpu/bench_tiled.py libtiled.so --json out.json
 
 Checks first (any failure exits 1): the repacked layout against a PyTorch construction of the same layout from the
-bit planes, then the GEMV output against a float64 reference of the dequantized weight (M = 1, 3, 8) for every
+bit planes, then the GEMV output against a float64 reference of the dequantized weight (M = 1..50) for every
 (warps, stages) variant, and each launch twice (bitwise equal). Then times main's GEMV and each variant with the
 kernel benchmark's method (CUDA graph, weights rotated past 4x L2, median).
 """
@@ -20,7 +20,13 @@ from kbit_hf import cuda_backend as cuda
 from kbit_hf import format as fmt
 from kbit_hf.bench.kernels import _kbit_weights, _n_copies, _time_graph, copy_bandwidth
 
-VARIANTS = [(8, 2), (8, 3), (12, 2), (12, 3), (16, 1), (16, 2), (16, 3), (20, 1), (24, 1), (20, 2), (20, 3), (24, 2)]
+# (warps, stages) instantiated per token-tile count NT = ceil(M / 8) (tiled_gemv.cu, tiled_gemv())
+VARIANTS = {1: [(8, 2), (12, 2), (16, 1), (16, 2), (20, 1), (24, 1)], 2: [(8, 1), (8, 2), (16, 1), (16, 2)],
+            4: [(8, 1), (8, 2), (16, 1)], 8: [(4, 2), (8, 1), (8, 2)]}
+
+
+def n_tiles(M):
+    return 1 if M <= 8 else 2 if M <= 16 else 4 if M <= 32 else 8
 
 
 def tiled_layout_reference(packed, absmax, out_f, in_f):
@@ -39,8 +45,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("lib")
     ap.add_argument("--shapes", default="1024x4096,4096x4096,6144x4096,14336x4096,4096x14336,28672x8192")
-    ap.add_argument("--m", default="1,4")
-    ap.add_argument("--variants", default=",".join(f"{a}x{b}" for a, b in VARIANTS))
+    ap.add_argument("--m", default="1,4,16,32")
+    ap.add_argument("--variants", default=None, help="e.g. 16x1,16x2 (else every variant of each M)")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--tag", default="")
     ap.add_argument("--json", default=None)
@@ -50,7 +56,11 @@ def main():
     lib.tiled_repack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
     lib.tiled_gemv.argtypes = ([ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2
                                + [ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p])
-    variants = [tuple(int(v) for v in s.split("x")) for s in a.variants.split(",")]
+    only = None if a.variants is None else {tuple(int(v) for v in s.split("x")) for s in a.variants.split(",")}
+
+    def variants(M):
+        return [v for v in VARIANTS[n_tiles(M)] if only is None or v in only]
+
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
 
     def repack(p, am, out_f, in_f):
@@ -80,10 +90,10 @@ def main():
         p, am, s, cb = _kbit_weights(out_f, in_f, 4)
         wt, at = repack(p, am, out_f, in_f)
         wref = cuda.dequantize(p, am, s, cb, 4, in_f, torch.float32).double()
-        for M in (1, 3, 8):
+        for M in (1, 3, 8, 12, 32, 50):
             x = torch.randn(M, in_f, device="cuda", dtype=torch.bfloat16)
             ref = x.double() @ wref.t()
-            for nw, st in variants:
+            for nw, st in variants(M):
                 y1 = torch.full((M, out_f), float("nan"), device="cuda", dtype=torch.bfloat16)
                 y2 = torch.full_like(y1, float("nan"))
                 rc = gemv(x, wt, at, s, cb, out_f, in_f, y1, nw, st) or gemv(x, wt, at, s, cb, out_f, in_f, y2, nw, st)
@@ -117,7 +127,7 @@ def main():
             best = (us, "v6")
             line = f"v6 {us:7.2f}"
             rows.append({"shape": sh, "M": M, "impl": "v6", "us": us, "pct_copy": 100 * nbytes / (us * 1e-6) / bw})
-            for nw, st in variants:
+            for nw, st in variants(M):
                 ut = _time_graph([lambda c=c: gemv(x, c[0], c[1], s0, cb, out_f, in_f, y, nw, st) for c in tiled],
                                  a.repeats)
                 rows.append({"shape": sh, "M": M, "impl": f"{nw}x{st}", "us": ut,

@@ -18,6 +18,6 @@ timeout 400 python3 tests/gpu/bench_tiled.py "$LIB" --tag ${TAG:-tiled} --json "
 echo "bench: $(( $(date +%s) - t0 )) s"
 if [ "${SKIP_SAN:-0}" != 1 ]; then
   timeout 200 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/gpu/bench_tiled.py "$LIB" \
-    --shapes 1024x4096 --m 1 --variants 16x2,20x3 --repeats 1 >"$OUT/sanitizer.log" 2>&1
+    --shapes 1024x4096 --m 1 --variants 16x1,8x1 --repeats 1 >"$OUT/sanitizer.log" 2>&1
   echo "memcheck rc=$?"; grep -E "ERROR SUMMARY|CHECK|layout|check:" "$OUT/sanitizer.log" | tail -6
 fi

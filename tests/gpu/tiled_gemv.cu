@@ -29,9 +29,9 @@ namespace {
 
 // fixed shared-window addresses (the dynamic shared memory starts at or below BARS: checked in-kernel)
 constexpr uint32_t BARS = 0x1000;    // NW * S mbarriers
-constexpr uint32_t RED = 0x1400;     // boundary partials [NW][2][32 lanes][4] floats (<= 24 warps)
-constexpr uint32_t LOW = 0x7400;     // the first ring slots, below the table
-constexpr uint32_t TABLE = 0x10000;  // the pair table (256 rows of 256 bytes, 128 used)
+constexpr uint32_t LOW = 0x1400;     // the first ring slots, below the table
+constexpr uint32_t TABLE = 0x10000;  // the pair table (256 rows of 256 bytes, 128 used); after the main loop, the
+                                     // boundary partials [NW][2][NT][32 lanes][4] floats
 constexpr uint32_t RING = 0x20000;   // the other ring slots
 constexpr uint32_t ITEM_W = 2048, ITEM_A = 128, SLOT = ITEM_W + ITEM_A;
 constexpr uint32_t NLOW = (TABLE - LOW) / SLOT;
@@ -80,18 +80,20 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 }
 __device__ __forceinline__ float e4m4(uint32_t code) { return __uint_as_float(code << 19) * 0x1p116f; }
 
-// one tile's 16 x 8 fragment (this lane's 4 values) times the tensor scale into y; rows >= out never occur (out % 16)
-__device__ __forceinline__ void store_tile(__nv_bfloat16* y, int64_t out, int M, int64_t t, int lane, float sc,
-                                           const float (&v)[4]) {
+// one tile's 16 x 8 fragment of token tile nt (this lane's 4 values) times the tensor scale into y (out % 16 == 0)
+__device__ __forceinline__ void store_tile(__nv_bfloat16* y, int64_t out, int M, int64_t t, int nt, int lane,
+                                           float sc, const float (&v)[4]) {
   const int g = lane >> 2, q = lane & 3;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int m = 2 * q + (i & 1);
+    const int m = 8 * nt + 2 * q + (i & 1);
     if (m < M) y[(int64_t)m * out + 16 * t + g + 8 * (i >> 1)] = __float2bfloat16_rn(v[i] * sc);
   }
 }
 
-template <int NW, int S>
+// NT tiles of 8 tokens (M <= 8 NT): the A operand of a k slice is looked up once and feeds NT MMAs. NT = 1 loads the
+// item's activations before waiting for its weights; NT > 1 loads each block's at use (fewer registers).
+template <int NW, int S, int NT>
 __global__ void __launch_bounds__(NW * 32, 1) tiled_gemv_kernel(const __nv_bfloat16* __restrict__ x, int M,
                                                                  const uint8_t* __restrict__ wt,
                                                                  const uint8_t* __restrict__ at,
@@ -101,8 +103,7 @@ __global__ void __launch_bounds__(NW * 32, 1) tiled_gemv_kernel(const __nv_bfloa
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
   unsigned char* win = smem - base;  // win + window address = generic pointer
-  static_assert(BARS + NW * S * 8 <= RED && RED + NW * 2 * 128 * 4 <= LOW, "shared-memory map");
-  constexpr uint32_t bars = BARS, red = RED;
+  static_assert(BARS + NW * S * 8 <= LOW && NW * 2 * NT * 512 <= RING - TABLE, "shared-memory map");
   uint32_t dsz;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsz));
   if (base > BARS || base + dsz < smem_end(NW * S)) __trap();
@@ -115,7 +116,7 @@ __global__ void __launch_bounds__(NW * 32, 1) tiled_gemv_kernel(const __nv_bfloa
   const int64_t u0 = n * warp / NW, u1 = n * (warp + 1) / NW;
   const uint8_t* wsrc = wt + (t0 * IPT) * ITEM_W;
   const uint8_t* asrc = at + (t0 * IPT) * ITEM_A;
-  const uint32_t wbar = bars + warp * S * 8;
+  const uint32_t wbar = BARS + warp * S * 8;
   if (lane == 0) {
     for (int s = 0; s < S; ++s) mbar_init(wbar + 8 * s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -135,31 +136,47 @@ __global__ void __launch_bounds__(NW * 32, 1) tiled_gemv_kernel(const __nv_bfloa
   __syncthreads();
   const float sc = scale[0];
   const uint32_t cl = 0x0100u | ((uint32_t)lane << 2);
-  const bool xon = g < M;
-  const __nv_bfloat16* xg = x + (int64_t)(xon ? g : 0) * in;
-  // tile boundaries of this warp's range
+  // token 8 nt + g of this lane's B column (rows past M: zeros)
+  const __nv_bfloat16* xg[NT];
+  bool xon[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    xon[nt] = 8 * nt + g < M;
+    xg[nt] = x + (int64_t)(xon[nt] ? 8 * nt + g : 0) * in + 8 * q;
+  }
+  // tile boundaries of this warp's range: the first tile's partial stays in accf until every warp is done
   const int64_t tf = u0 < u1 ? u0 / IPT : -1, tl = u0 < u1 ? (u1 - 1) / IPT : -1;
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  float acc[NT][4], accf[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][i] = accf[nt][i] = 0.f;
   int64_t cur = tf;
   for (int64_t u = u0; u < u1; ++u) {
     const int64_t t = u / IPT;
     const int v = (int)(u - t * IPT);
-    if (t != cur) {  // the previous tile is done: the first one goes to shared memory, a middle one straight out
-      if (cur == tf) {
+    if (t != cur) {  // the previous tile is done: keep the first one, store a middle one
 #pragma unroll
-        for (int i = 0; i < 4; ++i) *reinterpret_cast<float*>(win + red + ((warp * 2) * 128 + lane * 4 + i) * 4) = acc[i];
-      } else {
-        store_tile(y, out, M, t0 + cur, lane, sc, acc);
+      for (int nt = 0; nt < NT; ++nt) {
+        if (cur == tf) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) accf[nt][i] = acc[nt][i];
+        } else {
+          store_tile(y, out, M, t0 + cur, nt, lane, sc, acc[nt]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
       }
-      acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
       cur = t;
     }
-    // activations of the item's 8 blocks: elements 256 v + 32 kb + 8 q .. + 7 of token g (zeros past M)
-    uint4 xv[8];
+    // NT = 1: activations of the item's 8 blocks (elements 256 v + 32 kb + 8 q .. + 7), before the wait
+    uint4 xv1[NT == 1 ? 8 : 1];
+    if constexpr (NT == 1) {
 #pragma unroll
-    for (int kb = 0; kb < 8; ++kb) {
-      xv[kb] = make_uint4(0u, 0u, 0u, 0u);
-      if (xon) xv[kb] = __ldg(reinterpret_cast<const uint4*>(xg + 256 * v + 32 * kb + 8 * q));
+      for (int kb = 0; kb < 8; ++kb) {
+        xv1[kb] = make_uint4(0u, 0u, 0u, 0u);
+        if (xon[0]) xv1[kb] = __ldg(reinterpret_cast<const uint4*>(xg[0] + 256 * v + 32 * kb));
+      }
     }
     const uint32_t k = (uint32_t)(u - u0), s = k % S;
     mbar_wait(wbar + 8 * s, (k / S) & 1u);
@@ -183,32 +200,56 @@ __global__ void __launch_bounds__(NW * 32, 1) tiled_gemv_kernel(const __nv_bfloa
     for (int kb = 0; kb < 8; ++kb) {  // block kb of the item: chunk kb / 4, block kb % 4
       const uint32_t sg = kb < 4 ? a0 : a2, sh = kb < 4 ? a1 : a3;
       const int bb = kb & 3;
-      float d[4] = {0.f, 0.f, 0.f, 0.f};
+      uint32_t A[2][4];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t ww = w[2 * kb + h];
-        mma(d, lds_at(prmt(ww, cl, 0x6504u)), lds_at(prmt(ww, cl, 0x6514u)), lds_at(prmt(ww, cl, 0x6524u)),
-            lds_at(prmt(ww, cl, 0x6534u)), h ? xv[kb].z : xv[kb].x, h ? xv[kb].w : xv[kb].y);
-      }
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) A[h][j] = lds_at(prmt(w[2 * kb + h], cl, 0x6504u | (uint32_t)j << 4));
       const float s0 = e4m4((sg >> (8 * bb)) & 0xFFu), s1 = e4m4((sh >> (8 * bb)) & 0xFFu);
-      acc[0] = fmaf(s0, d[0], acc[0]);
-      acc[1] = fmaf(s0, d[1], acc[1]);
-      acc[2] = fmaf(s1, d[2], acc[2]);
-      acc[3] = fmaf(s1, d[3], acc[3]);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        uint4 xv;
+        if constexpr (NT == 1) {
+          xv = xv1[kb];
+        } else {
+          xv = make_uint4(0u, 0u, 0u, 0u);
+          if (xon[nt]) xv = __ldg(reinterpret_cast<const uint4*>(xg[nt] + 256 * v + 32 * kb));
+        }
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        mma(d, A[0][0], A[0][1], A[0][2], A[0][3], xv.x, xv.y);
+        mma(d, A[1][0], A[1][1], A[1][2], A[1][3], xv.z, xv.w);
+        acc[nt][0] = fmaf(s0, d[0], acc[nt][0]);
+        acc[nt][1] = fmaf(s0, d[1], acc[nt][1]);
+        acc[nt][2] = fmaf(s1, d[2], acc[nt][2]);
+        acc[nt][3] = fmaf(s1, d[3], acc[nt][3]);
+      }
     }
   }
+  // the last tile: the first one too when the range has one tile, else straight out unless it is shared
+  if (u0 < u1 && cur == tf) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) accf[nt][i] = acc[nt][i];
+  }
+  __syncthreads();  // every lookup is done: the table's space takes the boundary partials
+  const uint32_t red = TABLE;
+  auto red_at = [&](int w2, int side, int nt, int i) {
+    return reinterpret_cast<float*>(win + red + ((((w2 * 2 + side) * NT + nt) * 32 + lane) * 4 + i) * 4);
+  };
   if (u0 < u1) {
-    if (cur == tf) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) *reinterpret_cast<float*>(win + red + ((warp * 2) * 128 + lane * 4 + i) * 4) = acc[i];
-    } else {
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) *reinterpret_cast<float*>(win + red + ((warp * 2 + 1) * 128 + lane * 4 + i) * 4) = acc[i];
-    }
+      for (int i = 0; i < 4; ++i) {
+        *red_at(warp, 0, nt, i) = accf[nt][i];
+        *red_at(warp, 1, nt, i) = acc[nt][i];
+      }
   }
   __syncthreads();
   // boundary tiles: warp w sums the tiles it is the first warp to touch (its first tile unless warp w - 1 touched it,
-  // and its last tile when that differs from its first), over the warps touching them, in warp order
+  // and its last tile when that differs from its first), over the warps touching them, in warp order; a later warp
+  // can only touch such a tile as its first tile
   if (u0 >= u1) return;
   for (int side = 0; side < 2; ++side) {
     const int64_t t = side ? tl : tf;
@@ -217,22 +258,27 @@ __global__ void __launch_bounds__(NW * 32, 1) tiled_gemv_kernel(const __nv_bfloa
       bool earlier = false;
       for (int w2 = warp - 1; w2 >= 0; --w2) {
         const int64_t b0 = n * w2 / NW, b1 = n * (w2 + 1) / NW;
-        if (b0 < b1) { earlier = (b1 - 1) / IPT == t; break; }
+        if (b0 < b1) {
+          earlier = (b1 - 1) / IPT == t;
+          break;
+        }
       }
       if (earlier) continue;
     }
-    float v[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = *reinterpret_cast<const float*>(win + red + ((warp * 2 + side) * 128 + lane * 4 + i) * 4);
-    for (int w2 = warp + 1; w2 < NW; ++w2) {
-      const int64_t b0 = n * w2 / NW, b1 = n * (w2 + 1) / NW;
-      if (b0 >= b1) continue;
-      if (b0 / IPT != t) break;  // w2's first tile is past t: no later warp touches t
-      const int sd = 0;          // t is w2's first tile
+    for (int nt = 0; nt < NT; ++nt) {
+      float vv[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] += *reinterpret_cast<const float*>(win + red + ((w2 * 2 + sd) * 128 + lane * 4 + i) * 4);
+      for (int i = 0; i < 4; ++i) vv[i] = *red_at(warp, side, nt, i);
+      for (int w2 = warp + 1; w2 < NW; ++w2) {
+        const int64_t b0 = n * w2 / NW, b1 = n * (w2 + 1) / NW;
+        if (b0 >= b1) continue;
+        if (b0 / IPT != t) break;  // w2's first tile is past t: no later warp touches t
+#pragma unroll
+        for (int i = 0; i < 4; ++i) vv[i] += *red_at(w2, 0, nt, i);
+      }
+      store_tile(y, out, M, t0 + t, nt, lane, sc, vv);
     }
-    store_tile(y, out, M, t0 + t, lane, sc, v);
   }
 }
 
@@ -280,14 +326,15 @@ int tiled_repack(const void* packed, const void* absmax, int64_t out, int64_t in
   return (int)cudaGetLastError();
 }
 
-// nw / stages pick the instantiation; grid = 0: one CTA per SM
+// nw / stages pick the instantiation (NT = ceil(M / 8)); grid = 0: one CTA per SM
 int tiled_gemv(const void* x, int M, const void* wt, const void* at, const float* scale, const float* codebook,
                int64_t out, int64_t in, void* y, int nw, int stages, int grid, void* stream) {
-  if (out % 16 || in % 256 || M < 1 || M > 8) return (int)cudaErrorInvalidValue;
+  if (out % 16 || in % 256 || M < 1 || M > 64) return (int)cudaErrorInvalidValue;
   int dev = 0, sms = 0;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   const unsigned gr = (unsigned)(grid > 0 ? grid : sms);
+  const int NT = M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 ? 4 : 8;
   auto go = [&](auto kern, int NW, int S) -> int {
     const int dyn = (int)smem_end(NW * S);  // covers the window up to the last slot's end (checked in-kernel)
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
@@ -297,9 +344,12 @@ int tiled_gemv(const void* x, int M, const void* wt, const void* at, const float
                                                      (__nv_bfloat16*)y);
     return (int)cudaGetLastError();
   };
-#define TG(NW, S) \
-  if (nw == NW && stages == S) return go(tiled_gemv_kernel<NW, S>, NW, S);
-  TG(8, 2) TG(8, 3) TG(12, 2) TG(12, 3) TG(16, 1) TG(16, 2) TG(20, 1) TG(24, 1) TG(16, 3) TG(20, 2) TG(20, 3) TG(24, 2)
+#define TG(NW, S, NT_) \
+  if (nw == NW && stages == S && NT == NT_) return go(tiled_gemv_kernel<NW, S, NT_>, NW, S);
+  TG(8, 2, 1) TG(12, 2, 1) TG(16, 1, 1) TG(16, 2, 1) TG(20, 1, 1) TG(24, 1, 1)
+  TG(8, 1, 2) TG(8, 2, 2) TG(16, 1, 2) TG(16, 2, 2)
+  TG(8, 1, 4) TG(8, 2, 4) TG(16, 1, 4)
+  TG(4, 2, 8) TG(8, 1, 8) TG(8, 2, 8)
 #undef TG
   return (int)cudaErrorInvalidValue;
 }
