@@ -40,6 +40,21 @@ KBIT_API int kbit_expert_gemv(const void* x, int x_dtype, int64_t N, const int64
                               const uint32_t* packed, const void* absmax, int absmax_fp16, const float* scale,
                               const float* codebook, int k, int64_t out, int64_t in, void* y, void* stream);
 
+/* The tiled layout of large K = 4 Linear weights (kbit_hf/format.py, "The tiled layout"; out % 16 == 0,
+ * in % 256 == 0, e4m4 block scales): wt uint8 [out, in / 2], at uint8 [out, in / 32], a byte permutation of packed
+ * uint32 [out, in / 8] and absmax uint8 [out, in / 32]. */
+KBIT_API int kbit_tile(const uint32_t* packed, const void* absmax, int64_t out, int64_t in, void* wt, void* at,
+                       void* stream);
+KBIT_API int kbit_untile(const void* wt, const void* at, int64_t out, int64_t in, uint32_t* packed, void* absmax,
+                         void* stream);
+KBIT_API int kbit_dequantize_tiled(const void* wt, const void* at, const float* scale, const float* codebook,
+                                   int64_t out, int64_t in, void* y, int y_dtype, void* stream);
+/* fused GEMV over the tiled layout, 1 <= M <= 64, x/bias/y float16 or bfloat16; sm_90 only (cudaErrorNotSupported
+ * on other devices). */
+KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at,
+                             const float* scale, const float* codebook, int64_t out, int64_t in, const void* bias,
+                             void* y, void* stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -75,46 +75,6 @@ struct Cfg {
   static constexpr uint32_t AMASK = (uint32_t)(NP - 1) << L;
 };
 
-template <typename T> struct Mma;
-template <> struct Mma<__nv_bfloat16> {
-  __device__ static __forceinline__ void run(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-  __device__ static __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
-    uint32_t d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));  // a*b + (-0) == a*b
-    return d;
-  }
-  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-  static constexpr float PRE = 1.0f;   // codebook and block scale multiplied by PRE each before rounding
-  static constexpr float POST = 1.0f;  // result multiplied by POST = 1 / PRE^2
-};
-template <> struct Mma<__half> {
-  __device__ static __forceinline__ void run(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-  __device__ static __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
-    uint32_t d;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-    return d;
-  }
-  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-  static constexpr float PRE = 16.0f;
-  static constexpr float POST = 1.0f / 256.0f;
-};
-
 template <int SH>
 __device__ __forceinline__ uint32_t shr(uint32_t v) {
   if constexpr (SH >= 0) return v >> SH;
@@ -171,22 +131,6 @@ __device__ __forceinline__ void decode_block(const uint32_t (&w)[5], uint32_t d2
 }
 
 // ---- v6: codebook lookup in registers (K = 2, 3, 4) ----
-// PRMT (byte permute). Selector nibbles must have bit 3 clear (PRMT's sign-replicate mode); only bits 0..15 count.
-__host__ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
-#ifdef __CUDA_ARCH__
-  // inline PTX, not __byte_perm: the intrinsic is defined on 3-bit selector nibbles, so the compiler masks every
-  // non-constant selector with 0x7777 first (one LOP3 per lookup)
-  uint32_t r;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
-  return r;
-#else
-  const uint64_t v = ((uint64_t)b << 32) | a;
-  uint32_t r = 0;
-  for (int n = 0; n < 4; ++n) r |= (uint32_t)((v >> (8 * ((s >> (4 * n)) & 7u))) & 0xFFu) << (8 * n);
-  return r;
-#endif
-}
-
 // x >> N as a multiply-high (IMAD.HI on the FMA pipe instead of SHF on the integer pipe, which the PRMTs fill)
 template <int N>
 __host__ __device__ __forceinline__ uint32_t shr_hi(uint32_t x) {

@@ -265,7 +265,7 @@ int dequant_k(int k, const uint32_t* packed, const void* absmax, int fp16, const
 
 extern "C" {
 
-int kbit_abi_version(void) { return 2; }  // 2: kbit_gemv takes M <= 64
+int kbit_abi_version(void) { return 3; }  // 2: kbit_gemv takes M <= 64; 3: the tiled layout (kbit_tiled.cu)
 
 const char* kbit_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
 

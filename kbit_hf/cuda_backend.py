@@ -40,10 +40,14 @@ __all__ = [
     "expert_linear",
     "GEMV_MAX_M",
     "EXPERT_GEMV_MAX_N",
+    "TILED_MIN_NUMEL",
+    "tiled_supported",
+    "tile",
+    "untile",
 ]
 
 GEMV_MAX_M = 64  # the fused dequant-GEMV handles up to this many activation rows; more -> dequantize + cuBLAS
-_ABI_VERSION = 2  # csrc/kbit_quant.cu kbit_abi_version(); 2: kbit_gemv takes M <= 64
+_ABI_VERSION = 3  # csrc/kbit_quant.cu kbit_abi_version(); 2: kbit_gemv takes M <= 64; 3: the tiled layout
 # expert GEMV (one kernel, each row reads its expert's weights) up to this many rows; more -> per-expert matmuls
 # after one host sync. A MoE prefill of 64 tokens x top-8 is 512 rows: the per-expert loop launches several kernels
 # for each expert present and is launch-bound there, while re-reading an expert's weights per row mostly hits L2.
@@ -85,6 +89,10 @@ def _load():
             "kbit_dequantize": [vp, vp, i32, vp, vp, i32, i64, i64, i64, vp, i32, vp],
             "kbit_gemv": [vp, i32, i64, vp, vp, i32, vp, vp, i32, i64, i64, vp, vp, vp],
             "kbit_expert_gemv": [vp, i32, i64, vp, i64, vp, vp, i32, vp, vp, i32, i64, i64, vp, vp],
+            "kbit_tile": [vp, vp, i64, i64, vp, vp, vp],
+            "kbit_untile": [vp, vp, i64, i64, vp, vp, vp],
+            "kbit_dequantize_tiled": [vp, vp, vp, vp, i64, i64, vp, i32, vp],
+            "kbit_gemv_tiled": [vp, i32, i64, vp, vp, vp, vp, i64, i64, vp, vp, vp],
         }.items():
             fn = getattr(lib, name)
             fn.restype = i32
@@ -192,6 +200,12 @@ def _check_k(k: int) -> None:
 def _check_shapes(packed, absmax, scale, k, in_features):
     *lead, out, words = packed.shape
     nb = fmt.n_blocks(in_features)
+    if fmt.is_tiled(packed):  # uint8 [out, in / 2] (format.tile)
+        if (k != 4 or lead or words * 2 != in_features or tuple(absmax.shape) != (out, nb) or scale.numel() != 1
+                or not fmt.tileable(out, in_features, 4, "e4m4") or absmax.dtype != torch.uint8):
+            raise ValueError(f"not a tiled K = 4 weight for in_features={in_features}: packed "
+                             f"{tuple(packed.shape)}, absmax {absmax.dtype} {tuple(absmax.shape)}, k={k}")
+        return
     if words != nb * k or tuple(absmax.shape) != (*lead, out, nb) or tuple(scale.shape) != tuple(lead):
         raise ValueError(
             f"kbit tensors do not fit together for k={k}, in_features={in_features}: packed {tuple(packed.shape)}, "
@@ -201,6 +215,62 @@ def _check_shapes(packed, absmax, scale, k, in_features):
 
 # ---------------------------------------------------------------------------------------------------------------
 # allocation-free entry points (the library writes into the given tensors)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the tiled layout of large K = 4 Linear weights (format.tile; csrc/kbit_tiled.cu)
+
+# KbitLinear tiles a weight with at least this many elements (a 4096 x 4096 layer measured even with v6 at M <= 4 and
+# slower at M = 16..32, 6144 x 4096 1.14-1.39x faster; docs/kernels.md, "Tiled layout")
+TILED_MIN_NUMEL = 4096 * 4096 + 1
+_tiled_ok: dict[int, bool] = {}
+
+
+def tiled_supported(device) -> bool:
+    """The tiled GEMV runs on this device: the library is loaded, the GPU is sm_90 or newer (bulk async copies), and
+    KBIT_TILED is not 0 (a benchmark knob: KbitLinear then keeps the bit planes)."""
+    device = torch.device(device)
+    if _lib is None or device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _tiled_ok.get(idx)
+    if ok is None:
+        ok = torch.cuda.get_device_capability(idx)[0] >= 9 and os.environ.get("KBIT_TILED", "1") != "0"
+        _tiled_ok[idx] = ok
+    return ok
+
+
+def tile(packed, absmax, in_features):
+    """format.tile on the GPU (bitwise the same bytes)."""
+    out = packed.shape[0]
+    if (packed.dtype != torch.uint32 or absmax.dtype != torch.uint8 or packed.dim() != 2
+            or tuple(packed.shape) != (out, in_features // 8) or tuple(absmax.shape) != (out, in_features // 32)
+            or not fmt.tileable(out, in_features, 4, "e4m4")):
+        return fmt.tile(packed, absmax, in_features)  # raises the error that names the problem
+    packed, absmax = packed.contiguous(), absmax.contiguous()
+    wt = torch.empty((out, in_features // 2), dtype=torch.uint8, device=packed.device)
+    at = torch.empty_like(absmax)
+    with _on_device(packed.device):
+        rc = _lib.kbit_tile(packed.data_ptr(), absmax.data_ptr(), out, in_features, wt.data_ptr(), at.data_ptr(),
+                            _stream(packed.device))
+    _check(rc, "tile")
+    return wt, at
+
+
+def untile(wt, at, in_features):
+    """format.untile on the GPU (bitwise the same bytes)."""
+    out = wt.shape[0]
+    if wt.dtype != torch.uint8 or tuple(wt.shape) != (out, in_features // 2) or tuple(at.shape) != (
+            out, in_features // 32) or not fmt.tileable(out, in_features, 4, "e4m4"):
+        return fmt.untile(wt, at, in_features)  # raises the error that names the problem
+    wt, at = wt.contiguous(), at.contiguous()
+    packed = torch.empty((out, in_features // 8), dtype=torch.uint32, device=wt.device)
+    absmax = torch.empty_like(at)
+    with _on_device(wt.device):
+        rc = _lib.kbit_untile(wt.data_ptr(), at.data_ptr(), out, in_features, packed.data_ptr(), absmax.data_ptr(),
+                              _stream(wt.device))
+    _check(rc, "untile")
+    return packed, absmax
 
 
 def quantize_out(weight, codebook, k, absmax_format, packed, absmax, scale):
@@ -235,6 +305,13 @@ def dequantize_out(packed, absmax, scale, codebook, k, in_features, out):
     *lead, rows, _ = packed.shape
     E = math.prod(lead)
     dev = packed.device
+    if fmt.is_tiled(packed):
+        with _on_device(dev):
+            rc = _lib.kbit_dequantize_tiled(packed.data_ptr(), absmax.data_ptr(), scale.data_ptr(),
+                                            _cb(codebook, dev, k).data_ptr(), rows, in_features, out.data_ptr(),
+                                            _DTYPE_CODE[out.dtype], _stream(dev))
+        _check(rc, "dequantize (tiled)")
+        return out
     with _on_device(dev):
         rc = _lib.kbit_dequantize(packed.data_ptr(), absmax.data_ptr(), _absmax_fp16(absmax), scale.data_ptr(),
                                   _cb(codebook, dev, k).data_ptr(), k, E, rows, in_features, out.data_ptr(),
@@ -254,8 +331,10 @@ def dequantize(packed, absmax, scale, codebook, k, in_features, dtype=torch.floa
 
 def linear_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
     """Fused dequant-GEMV into `out` [M, out_features]: x [M, in] contiguous fp16/bf16, 1 <= M <= 64, bias None or
-    x's dtype. No allocation, no synchronisation (CUDA-graph safe)."""
+    x's dtype. No allocation, no synchronisation (CUDA-graph safe). A tiled weight needs an sm_90 device."""
     dev = x.device
+    if fmt.is_tiled(packed) and not tiled_supported(dev):
+        raise RuntimeError(f"the tiled GEMV needs an sm_90 GPU; {dev} is not one (format.untile the weight)")
     _absmax_fp16(absmax)  # validates the scale dtype
     with _on_device(dev):
         rc = _gemv_call(x, x.shape[0], packed, absmax, scale, _cb(codebook, dev, k), k, packed.shape[0], in_features,
@@ -269,6 +348,10 @@ _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 def _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y, dev):
     """The one ctypes call of the fused GEMV (x fp16/bf16, codebook fp32 on x's device; no checks: hot path)."""
+    if packed.dtype == torch.uint8:  # the tiled layout (format.tile)
+        return _lib.kbit_gemv_tiled(x.data_ptr(), _DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
+                                    scale.data_ptr(), codebook.data_ptr(), out_f, in_features,
+                                    0 if bias is None else bias.data_ptr(), y.data_ptr(), _stream(dev))
     return _lib.kbit_gemv(x.data_ptr(), _DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
                           1 if absmax.dtype == torch.float16 else 0, scale.data_ptr(), codebook.data_ptr(), k, out_f,
                           in_features, 0 if bias is None else bias.data_ptr(), y.data_ptr(), _stream(dev))
@@ -290,8 +373,9 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
         and (bias is None or bias.dtype == x.dtype)
     ):
         M = x.numel() // in_features
-        if 0 < M <= GEMV_MAX_M:
-            if packed.shape[1] != ((in_features + 31) >> 5) * k:
+        tiled = packed.dtype == torch.uint8
+        if 0 < M <= GEMV_MAX_M and (not tiled or tiled_supported(x.device)):
+            if packed.shape[1] != (in_features >> 1 if tiled else ((in_features + 31) >> 5) * k):
                 _check_shapes(packed, absmax, scale, k, in_features)
             if not x.is_contiguous():
                 x = x.contiguous()

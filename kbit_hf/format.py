@@ -202,6 +202,64 @@ def empty_quantized(shape: tuple[int, ...], k: int, absmax_format: str, device=N
             torch.empty(shapes["scale"], dtype=torch.float32, device=device))
 
 
+# ---- The tiled layout: how large K = 4 Linear weights sit in GPU memory (docs/kernels.md, "Tiled layout") ----
+# A byte permutation of (packed, absmax) with the same byte counts: packed becomes uint8 [out, in / 2] (that dtype is
+# what marks a tiled tensor), absmax keeps its shape. Checkpoints always hold the bit planes above.
+# Weights, 1 KB per (16-row tile t, 128-element chunk c): byte ((t * C + c) * 32 + l) * 32 + 8 b + 4 h + j, for
+# l = 4 g + q, b, q < 4, g < 8, h < 2, j < 4, is idx[e] | idx[e + 1] << 4 of row 16 t + g + 8 (j & 1) at element
+# e = 128 c + 32 b + 8 q + 4 h + 2 (j >> 1) (lane l's m16n8k16 A fragment of k slice (b, h)). Block scales, 64
+# bytes per (t, c): byte ((t * C + c) * 16 + r) * 4 + b is block 4 c + b of row 16 t + r.
+TILE_ROWS = 16
+TILE_IN = 256  # in_features must be a multiple of this (two chunks: the GEMV's unit of work)
+
+
+def tileable(out_features: int, in_features: int, k: int, absmax_format: str) -> bool:
+    return k == 4 and absmax_format == "e4m4" and out_features % TILE_ROWS == 0 and in_features % TILE_IN == 0
+
+
+def is_tiled(packed: torch.Tensor) -> bool:
+    return packed.dtype == torch.uint8
+
+
+def _tile_rows(out: int, in_features: int):
+    step = max(TILE_ROWS, (2**22 // max(1, in_features)) // TILE_ROWS * TILE_ROWS)  # bounded int64 temporaries
+    return ((a, min(a + step, out)) for a in range(0, out, step))
+
+
+def tile(packed: torch.Tensor, absmax: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bit planes uint32 [out, in / 8] + e4m4 absmax [out, nb] -> the tiled layout (K = 4; see above)."""
+    out = packed.shape[0]
+    if packed.dtype != torch.uint32 or absmax.dtype != torch.uint8 or not tileable(out, in_features, 4, "e4m4") \
+            or tuple(packed.shape) != (out, in_features // 8) or tuple(absmax.shape) != (out, in_features // 32):
+        raise ValueError(f"cannot tile packed {packed.dtype} {tuple(packed.shape)} / absmax {absmax.dtype} "
+                         f"{tuple(absmax.shape)} for in_features={in_features} (K = 4, e4m4, out % {TILE_ROWS}, "
+                         f"in % {TILE_IN})")
+    C = in_features // 128
+    wt = torch.empty((out, in_features // 2), dtype=torch.uint8, device=packed.device)
+    for a, b in _tile_rows(out, in_features):
+        idx = unpack_bitplanes(packed[a:b], 4).flatten(-2)  # [rows, in]
+        v = idx.view((b - a) // 16, 2, 8, C, 4, 4, 2, 2, 2)  # t, r, g, c, b, q, h, m, pair
+        pair = v[..., 0] | (v[..., 1] << 4)
+        wt[a:b] = pair.permute(0, 3, 2, 5, 4, 6, 7, 1).to(torch.uint8).reshape(b - a, -1)
+    at = absmax.view(out // 16, 16, C, 4).permute(0, 2, 1, 3).reshape(out, -1).clone()
+    return wt, at
+
+
+def untile(wt: torch.Tensor, at: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `tile`: -> (packed uint32 [out, in / 8], absmax uint8 [out, nb])."""
+    out = wt.shape[0]
+    if wt.dtype != torch.uint8 or tuple(wt.shape) != (out, in_features // 2) or not tileable(out, in_features, 4, "e4m4"):
+        raise ValueError(f"not a tiled K = 4 weight for in_features={in_features}: {wt.dtype} {tuple(wt.shape)}")
+    C = in_features // 128
+    packed = torch.empty((out, in_features // 8), dtype=torch.uint32, device=wt.device)
+    for a, b in _tile_rows(out, in_features):
+        pair = wt[a:b].reshape((b - a) // 16, C, 8, 4, 4, 2, 2, 2).permute(0, 7, 2, 1, 4, 3, 5, 6).long()
+        idx = torch.stack((pair & 15, pair >> 4), dim=-1)  # t, r, g, c, b, q, h, m, pair
+        packed[a:b] = pack_bitplanes(idx.reshape(b - a, in_features // 32, 32), 4)
+    absmax = at.view(out // 16, C, 16, 4).permute(0, 2, 1, 3).reshape(out, -1).clone()
+    return packed, absmax
+
+
 def check_finite(w: torch.Tensor, what: str = "weight") -> None:
     # aminmax is one reduction with no full-size temporaries (NaN propagates into both ends, +-Inf shows at one);
     # torch.isfinite(w) would build 2.5x w's bytes in temporaries (abs, two masks), which was the largest allocation
@@ -241,4 +299,10 @@ __all__ = [
     "packed_shapes",
     "empty_quantized",
     "check_finite",
+    "TILE_ROWS",
+    "TILE_IN",
+    "tileable",
+    "is_tiled",
+    "tile",
+    "untile",
 ]

@@ -70,7 +70,62 @@ class KbitLinear(nn.Linear):
 
     @property
     def is_packed(self) -> bool:
-        return self.weight.dtype == torch.uint32
+        return self.weight.dtype in (torch.uint32, torch.uint8)
+
+    # ---- the tiled layout (format.tile): the GPU in-memory layout of large K = 4 weights on sm_90 ----------------
+    # `weight` / `weight_absmax` then hold a byte permutation of the bit planes (uint8 weight); state_dict() and
+    # load_state_dict() still speak the bit planes, so checkpoints never see it.
+    @property
+    def is_tiled(self) -> bool:
+        return fmt.is_tiled(self.weight)
+
+    def tileable(self) -> bool:
+        """The layout applies (K = 4, e4m4, out % 16, in % 256), the weight is large enough to gain from it, and its
+        device runs the tiled GEMV."""
+        from . import cuda_backend
+
+        return (self.weight.dtype == torch.uint32 and fmt.tileable(self.out_features, self.in_features, self.k,
+                                                                   self.absmax_format)
+                and self.out_features * self.in_features >= cuda_backend.TILED_MIN_NUMEL
+                and cuda_backend.tiled_supported(self.weight.device))
+
+    def tile_(self, force: bool = False) -> bool:
+        """Switch to the tiled layout where it applies (force: wherever the format allows, e.g. on the CPU for
+        tests). Returns whether the layer is tiled now."""
+        from . import cuda_backend
+
+        if self.is_tiled:
+            return True
+        if not (self.tileable() or (force and self.weight.dtype == torch.uint32
+                                    and fmt.tileable(self.out_features, self.in_features, self.k,
+                                                     self.absmax_format))):
+            return False
+        tile = cuda_backend.tile if self.weight.is_cuda and cuda_backend.available() else fmt.tile
+        wt, at = tile(self.weight, self.weight_absmax, self.in_features)
+        self.weight, self.weight_absmax = _frozen(wt), _frozen(at)
+        return True
+
+    def untile_(self) -> None:
+        if self.is_tiled:
+            self.weight, self.weight_absmax = (_frozen(t) for t in self._bit_planes())
+
+    def _bit_planes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        from . import cuda_backend
+
+        untile = cuda_backend.untile if self.weight.is_cuda and cuda_backend.available() else fmt.untile
+        return untile(self.weight, self.weight_absmax, self.in_features)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.is_tiled:
+            destination[prefix + "weight"], destination[prefix + "weight_absmax"] = self._bit_planes()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        tiled = self.is_tiled
+        self.untile_()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if tiled:
+            self.tile_(force=True)
 
     def quantize_param(self, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         if name != "weight":

@@ -147,6 +147,11 @@ class KbitHfQuantizer(HfQuantizer):
         _drop_kbit_weight_conversions(model)
         if self.pre_quantized and self.quantization_config.dequantize:
             return self._dequantize(model)
+        for module in model.modules():
+            # the tiled layout on sm_90 for large K = 4 layers (not for offloaded ones: accelerate keeps their
+            # tensors elsewhere and swaps them in per forward)
+            if isinstance(module, KbitLinear) and not hasattr(module, "_hf_hook"):
+                module.tile_()
         model.add_model_tags(["kbit", f"kbit-{self.quantization_config.k}bit"])
         from .hub import install_model_card_hooks
 

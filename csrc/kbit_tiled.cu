@@ -1,0 +1,483 @@
+// kbit_tiled.cu: the tiled layout of large K = 4 Linear weights on sm_90 (kbit_hf/format.py, "The tiled layout"):
+// the conversions from and to the bit planes, the fused GEMV over it (M = 1..64) and its dequantize.
+//
+// Layout (out % 16 == 0, in % 256 == 0; T = out / 16 tiles, C = in / 128 chunks per row): a byte permutation of the
+// bit planes and the e4m4 block scales. 1 KB of weights per (tile t, chunk c): byte ((t * C + c) * 32 + l) * 32 +
+// 8 b + 4 h + j, l = 4 g + q, holds the pair index idx[e] | idx[e + 1] << 4 of row 16 t + g + 8 (j & 1) at element
+// e = 128 c + 32 b + 8 q + 4 h + 2 (j >> 1): lane l's A fragment of m16n8k16 for the k slice (b, h), so a lane reads
+// its 32 bytes per chunk with two 16-byte shared loads, and the activations of the k slices of block b are the 8
+// consecutive elements 128 c + 32 b + 8 q .. + 7 (one 16-byte load per lane and token). Block scales, 64 bytes per
+// (t, c): byte ((t * C + c) * 16 + r) * 4 + b = block 4 c + b of row 16 t + r. Each k slice of an MMA lies inside
+// one block of each row, so the block scale multiplies the MMA's partial sums in fp32 (4 FFMA per block and lane).
+//
+// GEMV (gemv_tiled_kernel; docs/kernels.md, "Tiled layout"): one persistent CTA of NW warps per SM owns whole tiles
+// (an even split of the tiles over the grid). Its items (2 chunks: 2 KB of weights + 128 B of scales, contiguous in
+// the layout) are split into NW contiguous ranges, one per warp, so each warp streams one contiguous byte range
+// through its own ring of S shared-memory slots, filled by bulk asynchronous copies (cp.async.bulk, one mbarrier per
+// slot, lane 0 issues; TMA, sm_90). The pair table (256 entries (cb[lo], cb[hi]) in the activation dtype, 32
+// replicas) lies at the shared-window address 0x10000 + 256 * index + 4 * lane, so one PRMT of a pair byte with
+// (4 * lane | 0x0100) is the whole address of a conflict-free lookup. NT tiles of 8 tokens share each looked-up A
+// operand. Tiles inside a warp's range are stored by that warp; the first and last tile of each range go through
+// shared memory (the table's space, after the loop) and are summed in warp order: deterministic, no atomics.
+#include "kbit_api.h"
+#include "kbit_common.cuh"
+
+#include <cuda_runtime.h>
+
+using namespace kbit;
+
+namespace {
+
+// fixed shared-window addresses (the dynamic shared memory starts at or below BARS: checked in the kernel)
+constexpr uint32_t BARS = 0x1000;    // NW * S mbarriers
+constexpr uint32_t LOW = 0x1400;     // the first ring slots, below the table
+constexpr uint32_t TABLE = 0x10000;  // the pair table (256 rows of 256 bytes, 128 used); after the main loop, the
+                                     // boundary partials [NW][2][NT][32 lanes][4] floats
+constexpr uint32_t RING = 0x20000;   // the other ring slots
+constexpr uint32_t ITEM_W = 2048, ITEM_A = 128, SLOT = ITEM_W + ITEM_A;
+constexpr uint32_t NLOW = (TABLE - LOW) / SLOT;
+// window address of ring slot i (warp * S + s), and the end of the window that nslots slots need
+__host__ __device__ constexpr uint32_t slot_addr(uint32_t i) {
+  return i < NLOW ? LOW + i * SLOT : RING + (i - NLOW) * SLOT;
+}
+__host__ __device__ constexpr uint32_t smem_end(uint32_t nslots) { return nslots <= NLOW ? RING : slot_addr(nslots); }
+
+__device__ __forceinline__ uint32_t lds_at(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint4 lds128_at(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// one item (weights + scales) into a ring slot, completing on its mbarrier (lane 0 only)
+__device__ __forceinline__ void fetch_item(uint32_t slot, const uint8_t* w, const uint8_t* a, uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  mbar_expect_tx(bar, SLOT);
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(slot), "l"(w), "r"(ITEM_W), "r"(bar) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(slot + ITEM_W), "l"(a), "r"(ITEM_A), "r"(bar) : "memory");
+#endif
+}
+// e4m4 block scale code -> float, exact (subnormal codes included)
+__device__ __forceinline__ float e4m4_f(uint32_t code) { return __uint_as_float(code << 19) * 0x1p116f; }
+
+// one tile's 16 x 8 fragment of token tile nt (this lane's 4 values) times the tensor scale, plus bias, into y
+template <typename T>
+__device__ __forceinline__ void store_tile(T* y, const T* bias, int64_t out, int M, int64_t t, int nt, int lane,
+                                           float sc, const float (&v)[4]) {
+  const int g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int m = 8 * nt + 2 * q + (i & 1);
+    const int64_t o = 16 * t + g + 8 * (i >> 1);
+    if (m < M) {
+      float r = v[i] * sc;
+      if (bias != nullptr) r += Cvt<T>::to_f(bias[o]);
+      y[(int64_t)m * out + o] = Cvt<T>::from_f(r);
+    }
+  }
+}
+
+// NT tiles of 8 tokens (M <= 8 NT). NT = 1 loads an item's activations before waiting for its weights; NT > 1 loads
+// each block's at use (fewer registers).
+template <typename T, int NW, int S, int NT>
+__global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restrict__ x, int M,
+                                                                 const uint8_t* __restrict__ wt,
+                                                                 const uint8_t* __restrict__ at,
+                                                                 const float* __restrict__ scale,
+                                                                 const float* __restrict__ codebook,
+                                                                 const T* __restrict__ bias, int64_t out, int in,
+                                                                 T* __restrict__ y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
+  unsigned char* win = smem - base;  // win + window address = generic pointer
+  static_assert(BARS + NW * S * 8 <= LOW && NW * 2 * NT * 512 <= RING - TABLE, "shared-memory map");
+  uint32_t dsz;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsz));
+  if (base > BARS || base + dsz < smem_end(NW * S)) __trap();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, q = lane & 3;
+  const int64_t T_ = out / 16;
+  const int IPT = in / 256;  // items per tile
+  const int64_t t0 = T_ * blockIdx.x / gridDim.x, t1 = T_ * (blockIdx.x + 1) / gridDim.x;
+  const int64_t n = (t1 - t0) * IPT;  // the CTA's items
+  const int64_t u0 = n * warp / NW, u1 = n * (warp + 1) / NW;
+  const uint8_t* wsrc = wt + (t0 * IPT) * ITEM_W;
+  const uint8_t* asrc = at + (t0 * IPT) * ITEM_A;
+  const uint32_t wbar = BARS + warp * S * 8;
+  if (lane == 0) {
+    for (int s = 0; s < S; ++s) mbar_init(wbar + 8 * s, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int s = 0; s < S && u0 + s < u1; ++s)
+      fetch_item(slot_addr(warp * S + s), wsrc + (u0 + s) * ITEM_W, asrc + (u0 + s) * ITEM_A, wbar + 8 * s);
+  }
+  // pair table: entry P = (cb[P & 15], cb[P >> 4]) in T, 32 replicas of 4 bytes: 8 16-byte stores per entry
+  for (int i = threadIdx.x; i < 256 * 8; i += NW * 32) {
+    const int P = i >> 3;
+    const uint32_t w = Mma<T>::pack(__ldg(codebook + (P & 15)), __ldg(codebook + (P >> 4)));
+    *reinterpret_cast<uint4*>(win + TABLE + 256 * P + 16 * (i & 7)) = make_uint4(w, w, w, w);
+  }
+  __syncthreads();
+  const float sc = scale[0];
+  const uint32_t cl = 0x0100u | ((uint32_t)lane << 2);
+  // token 8 nt + g in this lane's B column (tokens past M: zeros)
+  const T* xg[NT];
+  bool xon[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    xon[nt] = 8 * nt + g < M;
+    xg[nt] = x + (int64_t)(xon[nt] ? 8 * nt + g : 0) * in + 8 * q;
+  }
+  // tile boundaries of this warp's range: the first tile's partial waits in accf until every warp is done
+  const int64_t tf = u0 < u1 ? u0 / IPT : -1, tl = u0 < u1 ? (u1 - 1) / IPT : -1;
+  float acc[NT][4], accf[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[nt][i] = accf[nt][i] = 0.f;
+  int64_t cur = tf;
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t t = u / IPT;
+    const int v = (int)(u - t * IPT);
+    if (t != cur) {  // the previous tile is done: keep the first one, store a middle one
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if (cur == tf) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) accf[nt][i] = acc[nt][i];
+        } else {
+          store_tile<T>(y, bias, out, M, t0 + cur, nt, lane, sc, acc[nt]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+      }
+      cur = t;
+    }
+    uint4 xv1[NT == 1 ? 8 : 1];  // NT = 1: elements 256 v + 32 kb + 8 q .. + 7, kb = the item's 8 blocks
+    if constexpr (NT == 1) {
+#pragma unroll
+      for (int kb = 0; kb < 8; ++kb) {
+        xv1[kb] = make_uint4(0u, 0u, 0u, 0u);
+        if (xon[0]) xv1[kb] = __ldg(reinterpret_cast<const uint4*>(xg[0] + 256 * v + 32 * kb));
+      }
+    }
+    const uint32_t k = (uint32_t)(u - u0), s = k % S;
+    mbar_wait(wbar + 8 * s, (k / S) & 1u);
+    const uint32_t sl = slot_addr(warp * S + s);
+    uint4 wv[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) wv[i] = lds128_at(sl + (i >> 1) * 1024 + lane * 32 + (i & 1) * 16);
+    const uint32_t a0 = lds_at(sl + ITEM_W + g * 4), a1 = lds_at(sl + ITEM_W + (g + 8) * 4);
+    const uint32_t a2 = lds_at(sl + ITEM_W + 64 + g * 4), a3 = lds_at(sl + ITEM_W + 64 + (g + 8) * 4);
+    // every lane has read the slot: refill it (generic-proxy reads before the async-proxy write)
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncwarp();
+    if (lane == 0 && u + S < u1) fetch_item(sl, wsrc + (u + S) * ITEM_W, asrc + (u + S) * ITEM_A, wbar + 8 * s);
+    const uint32_t w[16] = {wv[0].x, wv[0].y, wv[0].z, wv[0].w, wv[1].x, wv[1].y, wv[1].z, wv[1].w,
+                            wv[2].x, wv[2].y, wv[2].z, wv[2].w, wv[3].x, wv[3].y, wv[3].z, wv[3].w};
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb) {  // block kb of the item: chunk kb / 4, block kb % 4
+      const uint32_t sg = kb < 4 ? a0 : a2, sh = kb < 4 ? a1 : a3;
+      const int bb = kb & 3;
+      uint32_t A[2][4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) A[h][j] = lds_at(prmt(w[2 * kb + h], cl, 0x6504u | (uint32_t)j << 4));
+      const float s0 = e4m4_f((sg >> (8 * bb)) & 0xFFu), s1 = e4m4_f((sh >> (8 * bb)) & 0xFFu);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        uint4 xv;
+        if constexpr (NT == 1) {
+          xv = xv1[kb];
+        } else {
+          xv = make_uint4(0u, 0u, 0u, 0u);
+          if (xon[nt]) xv = __ldg(reinterpret_cast<const uint4*>(xg[nt] + 256 * v + 32 * kb));
+        }
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        Mma<T>::run(d, A[0][0], A[0][1], A[0][2], A[0][3], xv.x, xv.y);
+        Mma<T>::run(d, A[1][0], A[1][1], A[1][2], A[1][3], xv.z, xv.w);
+        acc[nt][0] = fmaf(s0, d[0], acc[nt][0]);
+        acc[nt][1] = fmaf(s0, d[1], acc[nt][1]);
+        acc[nt][2] = fmaf(s1, d[2], acc[nt][2]);
+        acc[nt][3] = fmaf(s1, d[3], acc[nt][3]);
+      }
+    }
+  }
+  if (u0 < u1 && cur == tf) {  // a range inside one tile: its only tile is its first
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) accf[nt][i] = acc[nt][i];
+  }
+  __syncthreads();  // every lookup is done: the table's space takes the boundary partials
+  auto red_at = [&](int w2, int side, int nt, int i) {
+    return reinterpret_cast<float*>(win + TABLE + ((((w2 * 2 + side) * NT + nt) * 32 + lane) * 4 + i) * 4);
+  };
+  if (u0 < u1) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        *red_at(warp, 0, nt, i) = accf[nt][i];
+        *red_at(warp, 1, nt, i) = acc[nt][i];
+      }
+  }
+  __syncthreads();
+  // boundary tiles: warp w stores the tiles it is the first warp to touch (its first tile unless an earlier warp's
+  // range ends in it, and its last tile when that is not its first), summed over the warps touching them in warp
+  // order; a later warp can touch such a tile only as its first tile
+  if (u0 >= u1) return;
+  for (int side = 0; side < 2; ++side) {
+    const int64_t t = side ? tl : tf;
+    if (side == 1 && tl == tf) break;
+    if (side == 0) {
+      bool earlier = false;
+      for (int w2 = warp - 1; w2 >= 0; --w2) {
+        const int64_t b0 = n * w2 / NW, b1 = n * (w2 + 1) / NW;
+        if (b0 < b1) {
+          earlier = (b1 - 1) / IPT == t;
+          break;
+        }
+      }
+      if (earlier) continue;
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      float vv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) vv[i] = *red_at(warp, side, nt, i);
+      for (int w2 = warp + 1; w2 < NW; ++w2) {
+        const int64_t b0 = n * w2 / NW, b1 = n * (w2 + 1) / NW;
+        if (b0 >= b1) continue;
+        if (b0 / IPT != t) break;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) vv[i] += *red_at(w2, 0, nt, i);
+      }
+      store_tile<T>(y, bias, out, M, t0 + t, nt, lane, sc, vv);
+    }
+  }
+#else
+  __trap();  // sm_90 only: the launcher refuses other devices
+#endif
+}
+
+// bit planes [out][in / 8] + e4m4 absmax [out][in / 32] -> tiled: one thread per 4-byte word of tiled weights (and,
+// for l = h = 0, the 16 scales of its (tile, chunk, block))
+__global__ void tile_kernel(const uint32_t* __restrict__ packed, const uint8_t* __restrict__ absmax, int64_t out,
+                            int in, uint32_t* __restrict__ wt, uint8_t* __restrict__ at) {
+  const int C = in / 128, nb = in / 32;
+  const int64_t nwords = out * (int64_t)in / 8;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < nwords; i += (int64_t)gridDim.x * blockDim.x) {
+    const int h = (int)(i & 1), b = (int)((i >> 1) & 3), l = (int)((i >> 3) & 31);
+    const int64_t tc = i >> 8;  // word i = ((t * C + c) * 32 + l) * 8 + 2 b + h
+    const int c = (int)(tc % C);
+    const int64_t t = tc / C;
+    const int g = l >> 2, q = l & 3;
+    uint32_t word = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t r = 16 * t + g + 8 * (j & 1);
+      const int e = 8 * q + 4 * h + 2 * (j >> 1);  // element inside block 4 c + b
+      const uint32_t* p = packed + (r * nb + 4 * c + b) * 4;
+      uint32_t i0 = 0, i1 = 0;
+#pragma unroll
+      for (int pl = 0; pl < 4; ++pl) {
+        const uint32_t v = __ldg(p + pl);
+        i0 |= ((v >> e) & 1u) << pl;
+        i1 |= ((v >> (e + 1)) & 1u) << pl;
+      }
+      word |= (i0 | (i1 << 4)) << (8 * j);
+    }
+    wt[i] = word;
+    if (l == 0 && h == 0)
+      for (int r = 0; r < 16; ++r) at[(tc * 16 + r) * 4 + b] = absmax[(16 * t + r) * nb + 4 * c + b];
+  }
+}
+
+// tiled -> bit planes: one thread per (row, block); gathers the block's 16 pair bytes
+__global__ void untile_kernel(const uint8_t* __restrict__ wt, const uint8_t* __restrict__ at, int64_t out, int in,
+                              uint32_t* __restrict__ packed, uint8_t* __restrict__ absmax) {
+  const int C = in / 128, nb = in / 32;
+  const int64_t nblk = out * (int64_t)nb;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < nblk; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / nb;
+    const int blk = (int)(i - r * nb), c = blk >> 2, b = blk & 3;
+    const int64_t t = r >> 4;
+    const int rr = (int)(r & 15), g = rr & 7, hi = rr >> 3;
+    uint32_t pl[4] = {0u, 0u, 0u, 0u};
+    for (int q = 0; q < 4; ++q)
+      for (int h = 0; h < 2; ++h)
+        for (int m = 0; m < 2; ++m) {
+          const uint32_t pair = wt[((t * C + c) * 32 + 4 * g + q) * 32 + 8 * b + 4 * h + 2 * m + hi];
+          const int e = 8 * q + 4 * h + 2 * m;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) pl[j] |= (((pair >> j) & 1u) << e) | (((pair >> (4 + j)) & 1u) << (e + 1));
+        }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) packed[i * 4 + j] = pl[j];
+    absmax[i] = at[((t * C + c) * 16 + rr) * 4 + b];
+  }
+}
+
+// tiled -> dense weights in TO, bitwise the values of dequant_kernel ((cb * d) * scale in fp32, one rounding): one
+// thread per (tile, chunk, lane, block), i.e. 8 consecutive elements of two rows
+template <typename TO>
+__global__ void dequant_tiled_kernel(const uint8_t* __restrict__ wt, const uint8_t* __restrict__ at,
+                                     const float* __restrict__ scale, const float* __restrict__ codebook, int64_t out,
+                                     int in, TO* __restrict__ y) {
+  const int C = in / 128;
+  const float sc = scale[0];
+  const float cb = codebook[threadIdx.x & 15];  // lane l holds cb[l % 16]: lookups by shuffle
+  const int64_t n = out * (int64_t)in / 16;       // threads of work; uniform loop bounds per warp (shuffles)
+  for (int64_t i0 = blockIdx.x * (int64_t)blockDim.x + (threadIdx.x & ~31); i0 < n;
+       i0 += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t i = i0 + (threadIdx.x & 31);
+    const bool valid = i < n;
+    const int64_t ii = valid ? i : 0;  // = ((t * C + c) * 32 + l) * 4 + b
+    const int b = (int)(ii & 3), l = (int)((ii >> 2) & 31);
+    const int64_t tc = ii >> 7;
+    const int c = (int)(tc % C);
+    const int64_t t = tc / C;
+    const int g = l >> 2, q = l & 3;
+    const uint2 wd = *reinterpret_cast<const uint2*>(wt + ii * 8);  // words h = 0, 1: bytes 8 b + 4 h + j
+    const uint32_t s0 = at[(tc * 16 + g) * 4 + b], s1 = at[(tc * 16 + g + 8) * 4 + b];
+    const float d[2] = {e4m4_decode(s0), e4m4_decode(s1)};
+    float v[2][8];  // [row g / g + 8][element 8 q + ..]
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t word = h ? wd.y : wd.x;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t pair = (word >> (8 * j)) & 0xFFu;
+        const int row = j & 1, e = 4 * h + 2 * (j >> 1);
+        const float lo = __shfl_sync(0xFFFFFFFFu, cb, (int)(pair & 15u));
+        const float hi = __shfl_sync(0xFFFFFFFFu, cb, (int)(pair >> 4));
+        v[row][e] = __fmul_rn(__fmul_rn(lo, d[row]), sc);
+        v[row][e + 1] = __fmul_rn(__fmul_rn(hi, d[row]), sc);
+      }
+    }
+    if (!valid) continue;
+#pragma unroll
+    for (int row = 0; row < 2; ++row) {
+      TO* dst = y + (16 * t + g + 8 * row) * (int64_t)in + 128 * c + 32 * b + 8 * q;
+      if constexpr (sizeof(TO) == 2) {
+        uint32_t pk[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          TO lo = Cvt<TO>::from_f(v[row][2 * k]), hi = Cvt<TO>::from_f(v[row][2 * k + 1]);
+          pk[k] = (uint32_t)(*reinterpret_cast<uint16_t*>(&lo)) | ((uint32_t)(*reinterpret_cast<uint16_t*>(&hi)) << 16);
+        }
+        *reinterpret_cast<uint4*>(dst) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+      } else {
+        *reinterpret_cast<float4*>(dst) = make_float4(v[row][0], v[row][1], v[row][2], v[row][3]);
+        *reinterpret_cast<float4*>(dst + 4) = make_float4(v[row][4], v[row][5], v[row][6], v[row][7]);
+      }
+    }
+  }
+}
+
+bool tiled_shape(int64_t out, int64_t in) { return out > 0 && in > 0 && out % 16 == 0 && in % 256 == 0 && in < (1 << 30); }
+
+int grid_for(int64_t work, int threads) {
+  int dev = 0, sms = 132;
+  current_device_sms(dev, sms);
+  const int64_t blocks = (work + threads - 1) / threads;
+  return (int)(blocks < (int64_t)sms * 16 ? (blocks > 0 ? blocks : 1) : (int64_t)sms * 16);
+}
+
+// The one (warps, slots) per token-tile count, from the H100 sweep of docs/kernels.md ("Tiled layout"): 16 warps
+// with one slot each for M <= 16, 8 warps for more tokens (their accumulators need the registers).
+template <typename T>
+int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
+                      const T* bias, int64_t out, int64_t in, T* y, cudaStream_t st) {
+  int dev = 0, sms = 0, major = 0;
+  if (!current_device_sms(dev, sms) || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != 0)
+    return (int)cudaErrorInvalidDevice;
+  if (major < 9) return (int)cudaErrorNotSupported;
+  auto go = [&](auto kern, int NW, int S) -> int {
+    const int dyn = (int)smem_end(NW * S);
+    static bool attr_set[64] = {};  // per instantiation and device (current_device_sms: dev < 64)
+    if (!attr_set[dev]) {
+      const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
+      if (e != cudaSuccess) return (int)e;
+      attr_set[dev] = true;
+    }
+    kern<<<(unsigned)sms, NW * 32, dyn, st>>>(x, M, wt, at, scale, cb, bias, out, (int)in, y);
+    return (int)cudaGetLastError();
+  };
+  if (M <= 8) return go(gemv_tiled_kernel<T, 16, 1, 1>, 16, 1);
+  if (M <= 16) return go(gemv_tiled_kernel<T, 16, 1, 2>, 16, 1);
+  if (M <= 32) return go(gemv_tiled_kernel<T, 8, 1, 4>, 8, 1);
+  return go(gemv_tiled_kernel<T, 8, 1, 8>, 8, 1);
+}
+
+}  // namespace
+
+extern "C" {
+
+KBIT_API int kbit_tile(const uint32_t* packed, const void* absmax, int64_t out, int64_t in, void* wt, void* at,
+                       void* stream) {
+  if (!tiled_shape(out, in)) return (int)cudaErrorInvalidValue;
+  tile_kernel<<<grid_for(out * in / 8, 256), 256, 0, (cudaStream_t)stream>>>(
+      packed, (const uint8_t*)absmax, out, (int)in, (uint32_t*)wt, (uint8_t*)at);
+  return (int)cudaGetLastError();
+}
+
+KBIT_API int kbit_untile(const void* wt, const void* at, int64_t out, int64_t in, uint32_t* packed, void* absmax,
+                         void* stream) {
+  if (!tiled_shape(out, in)) return (int)cudaErrorInvalidValue;
+  untile_kernel<<<grid_for(out * in / 32, 256), 256, 0, (cudaStream_t)stream>>>(
+      (const uint8_t*)wt, (const uint8_t*)at, out, (int)in, packed, (uint8_t*)absmax);
+  return (int)cudaGetLastError();
+}
+
+KBIT_API int kbit_dequantize_tiled(const void* wt, const void* at, const float* scale, const float* codebook,
+                                   int64_t out, int64_t in, void* y, int y_dtype, void* stream) {
+  if (!tiled_shape(out, in)) return (int)cudaErrorInvalidValue;
+  const int grid = grid_for(out * in / 16, 256);
+  cudaStream_t st = (cudaStream_t)stream;
+  const uint8_t *w = (const uint8_t*)wt, *a = (const uint8_t*)at;
+  switch (y_dtype) {
+    case F32: dequant_tiled_kernel<float><<<grid, 256, 0, st>>>(w, a, scale, codebook, out, (int)in, (float*)y); break;
+    case F16: dequant_tiled_kernel<__half><<<grid, 256, 0, st>>>(w, a, scale, codebook, out, (int)in, (__half*)y); break;
+    case BF16:
+      dequant_tiled_kernel<__nv_bfloat16><<<grid, 256, 0, st>>>(w, a, scale, codebook, out, (int)in, (__nv_bfloat16*)y);
+      break;
+    default: return (int)cudaErrorInvalidValue;
+  }
+  return (int)cudaGetLastError();
+}
+
+KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at, const float* scale,
+                             const float* codebook, int64_t out, int64_t in, const void* bias, void* y, void* stream) {
+  if (!tiled_shape(out, in) || M < 1 || M > 64) return (int)cudaErrorInvalidValue;
+  cudaStream_t st = (cudaStream_t)stream;
+  const uint8_t *w = (const uint8_t*)wt, *a = (const uint8_t*)at;
+  if (x_dtype == BF16)
+    return gemv_tiled_launch<__nv_bfloat16>((const __nv_bfloat16*)x, (int)M, w, a, scale, codebook,
+                                            (const __nv_bfloat16*)bias, out, in, (__nv_bfloat16*)y, st);
+  if (x_dtype == F16)
+    return gemv_tiled_launch<__half>((const __half*)x, (int)M, w, a, scale, codebook, (const __half*)bias, out, in,
+                                     (__half*)y, st);
+  return (int)cudaErrorInvalidValue;
+}
+
+}  // extern "C"

@@ -1,0 +1,145 @@
+"""The tiled layout (kbit_hf/format.py, "The tiled layout"): its byte definition, the round trip to the bit planes,
+the reference ops on it, and KbitLinear's state_dict / save_pretrained staying in the bit planes while tiled. The
+GPU kernels over it are checked in tests/gpu/test_kernels.py."""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from kbit_hf import KbitConfig, KbitLinear
+from kbit_hf import format as fmt
+from kbit_hf import reference
+from tiny_models import VOCAB, tiny_model
+
+
+def _quantized(out_f, in_f, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_f, in_f, generator=g)
+    w[0, :32] *= 1e-4  # a subnormal e4m4 block scale
+    return reference.quantize(w, fmt.nf0_codebook(4), 4, "e4m4")
+
+
+def _tiled_by_definition(packed, absmax, out_f, in_f):
+    """The layout byte by byte, exactly as format.py words it (slow; small shapes only)."""
+    idx = fmt.unpack_bitplanes(packed, 4).flatten(-2)
+    C = in_f // 128
+    wt = torch.empty(out_f * in_f // 2, dtype=torch.uint8)
+    at = torch.empty(out_f * in_f // 32, dtype=torch.uint8)
+    for t in range(out_f // 16):
+        for c in range(C):
+            for g in range(8):
+                for q in range(4):
+                    for b in range(4):
+                        for h in range(2):
+                            for j in range(4):
+                                r, e = 16 * t + g + 8 * (j & 1), 128 * c + 32 * b + 8 * q + 4 * h + 2 * (j >> 1)
+                                wt[((t * C + c) * 32 + 4 * g + q) * 32 + 8 * b + 4 * h + j] = \
+                                    int(idx[r, e]) | int(idx[r, e + 1]) << 4
+            for r in range(16):
+                for b in range(4):
+                    at[((t * C + c) * 16 + r) * 4 + b] = absmax[16 * t + r, 4 * c + b]
+    return wt.view(out_f, -1), at.view(out_f, -1)
+
+
+@pytest.mark.parametrize("out_f,in_f", [(16, 256), (32, 512)])
+def test_tile_matches_the_definition_and_round_trips(out_f, in_f):
+    packed, absmax, _ = _quantized(out_f, in_f)
+    wt, at = fmt.tile(packed, absmax, in_f)
+    want_w, want_a = _tiled_by_definition(packed, absmax, out_f, in_f)
+    assert wt.dtype == torch.uint8 and wt.shape == (out_f, in_f // 2) and at.shape == absmax.shape
+    assert torch.equal(wt, want_w) and torch.equal(at, want_a)
+    p2, a2 = fmt.untile(wt, at, in_f)
+    assert torch.equal(p2, packed) and torch.equal(a2, absmax)
+
+
+def test_tile_round_trip_many_tiles():
+    packed, absmax, _ = _quantized(4096, 512)  # several row chunks of format._tile_rows
+    p2, a2 = fmt.untile(*fmt.tile(packed, absmax, 512), 512)
+    assert torch.equal(p2, packed) and torch.equal(a2, absmax)
+
+
+def test_tile_refuses_what_the_layout_cannot_hold():
+    packed, absmax, _ = _quantized(16, 256)
+    with pytest.raises(ValueError, match="cannot tile"):
+        fmt.tile(packed, absmax, 255)
+    p3, a3, _ = reference.quantize(torch.randn(20, 256), fmt.nf0_codebook(4), 4, "e4m4")  # out % 16 != 0
+    with pytest.raises(ValueError, match="cannot tile"):
+        fmt.tile(p3, a3, 256)
+    p4, a4, _ = reference.quantize(torch.randn(16, 256), fmt.nf0_codebook(4), 4, "fp16")
+    with pytest.raises(ValueError, match="cannot tile"):
+        fmt.tile(p4, a4, 256)
+    with pytest.raises(ValueError, match="not a tiled"):
+        fmt.untile(packed, absmax, 256)
+
+
+def test_reference_ops_read_the_tiled_layout():
+    packed, absmax, scale = _quantized(48, 768)
+    cb = fmt.nf0_codebook(4)
+    wt, at = fmt.tile(packed, absmax, 768)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(reference.dequantize(wt, at, scale, cb, 4, 768, dtype),
+                           reference.dequantize(packed, absmax, scale, cb, 4, 768, dtype))
+    x = torch.randn(3, 768, dtype=torch.bfloat16)
+    assert torch.equal(reference.linear(x, wt, at, scale, cb, 4, 768), reference.linear(x, packed, absmax, scale, cb,
+                                                                                           4, 768))
+    with pytest.raises(ValueError, match="K = 4"):
+        reference.dequantize(wt, at, scale, cb, 3, 768)
+
+
+def _layer(out_f=32, in_f=256, bias=True):
+    layer = KbitLinear(in_f, out_f, bias, 4, "e4m4", fmt.nf0_codebook(4), pre_quantized=False, dtype=torch.bfloat16)
+    w = torch.randn(out_f, in_f, dtype=torch.bfloat16)
+    for name, t in layer.quantize_param("weight", w).items():
+        setattr(layer, name, torch.nn.Parameter(t, requires_grad=False))
+    if bias:
+        layer.bias = torch.nn.Parameter(torch.randn(out_f, dtype=torch.bfloat16), requires_grad=False)
+    return layer
+
+
+def test_kbit_linear_tiled_forward_and_state_dict():
+    layer = _layer()
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    y0 = layer(x)
+    sd0 = {k: v.clone() for k, v in layer.state_dict().items()}
+    assert not layer.tileable()  # on the CPU the layer keeps the bit planes unless forced
+    assert layer.tile_(force=True) and layer.is_tiled and layer.weight.dtype == torch.uint8 and layer.is_packed
+    assert torch.equal(layer(x), y0)
+    sd = layer.state_dict()
+    assert set(sd) == set(sd0) and all(torch.equal(sd[k], sd0[k]) and sd[k].dtype == sd0[k].dtype for k in sd)
+    # load_state_dict into a tiled layer: the bit planes go in, the layer stays tiled
+    other = _layer()
+    other.tile_(force=True)
+    other.load_state_dict(sd0)
+    assert other.is_tiled and torch.equal(other(x), y0)
+    layer.untile_()
+    assert not layer.is_tiled and torch.equal(layer.weight, sd0["weight"]) and torch.equal(layer(x), y0)
+
+
+def test_kbit_linear_does_not_tile_what_the_layout_cannot_hold():
+    assert not _layer(out_f=24).tile_(force=True)  # out % 16
+    assert not _layer(in_f=160).tile_(force=True)  # in % 256
+
+
+def test_save_pretrained_of_a_tiled_model_writes_bit_planes(tmp_path):
+    fp = tmp_path / "fp"
+    tiny_model("llama", hidden_size=256, intermediate_size=512, head_dim=32).save_pretrained(fp)
+    model = AutoModelForCausalLM.from_pretrained(fp, quantization_config=KbitConfig(k=4))
+    model.save_pretrained(tmp_path / "planes")
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref_logits = model(ids).logits
+    layers = [m for m in model.modules() if isinstance(m, KbitLinear)]
+    tiled = [m.tile_(force=True) for m in layers]  # all but o_proj (in = 4 heads x 32 = 128)
+    assert sum(tiled) == len(layers) - model.config.num_hidden_layers
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref_logits)
+    model.save_pretrained(tmp_path / "tiled")
+    a = load_file(os.path.join(tmp_path / "planes", "model.safetensors"))
+    b = load_file(os.path.join(tmp_path / "tiled", "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "tiled")
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, ref_logits)
