@@ -52,22 +52,37 @@ __device__ __forceinline__ uint4 lds128_at(uint32_t addr) {
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
+// The asynchronous-copy and mbarrier instructions below are sm_90's; for older targets they compile to nothing
+// (the kernel traps there, and the launcher refuses those devices).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define KBIT_SM90 1
+#else
+#define KBIT_SM90 0
+#endif
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+#if KBIT_SM90
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
 }
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#if KBIT_SM90
   asm volatile(
       "{\n .reg .pred p;\n WAIT_%=:\n"
       " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
       " @!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+#endif
+}
+// generic-proxy reads of shared memory before a later async-proxy write of it
+__device__ __forceinline__ void fence_proxy_async() {
+#if KBIT_SM90
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
 }
 // one item (weights + scales) into a ring slot, completing on its mbarrier (lane 0 only)
 __device__ __forceinline__ void fetch_item(uint32_t slot, const uint8_t* w, const uint8_t* a, uint32_t bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  mbar_expect_tx(bar, SLOT);
+#if KBIT_SM90
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(SLOT) : "memory");
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(slot), "l"(w), "r"(ITEM_W), "r"(bar) : "memory");
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
@@ -104,7 +119,9 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
                                                                  const float* __restrict__ codebook,
                                                                  const T* __restrict__ bias, int64_t out, int in,
                                                                  T* __restrict__ y) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if !KBIT_SM90
+  __trap();  // sm_90 only: the launcher refuses other devices
+#endif
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
   unsigned char* win = smem - base;  // win + window address = generic pointer
@@ -124,7 +141,6 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   const uint32_t wbar = BARS + warp * S * 8;
   if (lane == 0) {
     for (int s = 0; s < S; ++s) mbar_init(wbar + 8 * s, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     for (int s = 0; s < S && u0 + s < u1; ++s)
       fetch_item(slot_addr(warp * S + s), wsrc + (u0 + s) * ITEM_W, asrc + (u0 + s) * ITEM_A, wbar + 8 * s);
   }
@@ -187,7 +203,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
     const uint32_t a0 = lds_at(sl + ITEM_W + g * 4), a1 = lds_at(sl + ITEM_W + (g + 8) * 4);
     const uint32_t a2 = lds_at(sl + ITEM_W + 64 + g * 4), a3 = lds_at(sl + ITEM_W + 64 + (g + 8) * 4);
     // every lane has read the slot: refill it (generic-proxy reads before the async-proxy write)
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    fence_proxy_async();
     __syncwarp();
     if (lane == 0 && u + S < u1) fetch_item(sl, wsrc + (u + S) * ITEM_W, asrc + (u + S) * ITEM_A, wbar + 8 * s);
     const uint32_t w[16] = {wv[0].x, wv[0].y, wv[0].z, wv[0].w, wv[1].x, wv[1].y, wv[1].z, wv[1].w,
@@ -274,9 +290,6 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       store_tile<T>(y, bias, out, M, t0 + t, nt, lane, sc, vv);
     }
   }
-#else
-  __trap();  // sm_90 only: the launcher refuses other devices
-#endif
 }
 
 // bit planes [out][in / 8] + e4m4 absmax [out][in / 32] -> tiled: one thread per 4-byte word of tiled weights (and,

@@ -38,6 +38,22 @@ def main():
                     ids = torch.tensor([0, 1, -1, 2, 1], device="cuda")
                     cuda.expert_linear(x, ids, p, a, s, cb, k, shape[-1])
                     n += 1
+    # the tiled layout (K = 4, e4m4; the GEMV on sm_90 only): tile, untile, dequantize, GEMV for each token-tile count
+    cb = fmt.nf0_codebook(4).cuda()
+    for shape in [(48, 512), (272, 768)]:
+        p, a, s = cuda.quantize(torch.randn(shape, device="cuda"), cb, 4, "e4m4")
+        wt, at = cuda.tile(p, a, shape[1])
+        cuda.untile(wt, at, shape[1])
+        n += 2
+        for odt in (torch.float32, torch.float16, torch.bfloat16):
+            cuda.dequantize(wt, at, s, cb, 4, shape[1], odt)
+            n += 1
+        if cuda.tiled_supported(torch.device("cuda")):
+            for xdt in (torch.bfloat16, torch.float16):
+                for M in (1, 8, 9, 17, 33, 64):
+                    x = torch.randn(M, shape[1], device="cuda", dtype=xdt)
+                    cuda.linear(x, wt, at, s, cb, 4, shape[1], torch.randn(shape[0], device="cuda", dtype=xdt))
+                    n += 1
     torch.cuda.synchronize()
     print(f"sanitize_driver: {n} kernel calls OK")
 

@@ -1,0 +1,164 @@
+"""GPU tests of the tiled layout (csrc/kbit_tiled.cu): the tile / untile kernels against format.tile, the dequantize
+bitwise against the bit-plane kernel, the GEMV (M = 1..64) against float64, CUDA graphs, and KbitLinear /
+from_pretrained tiling large K = 4 layers on sm_90."""
+
+import functools
+
+import pytest
+import torch
+
+from kbit_hf import format as fmt
+from kbit_hf import reference
+from .test_kernels import GEMV_REL_W, _assert_linear_close, _ref_linear64
+
+# (2000, 2304): tiles that do not split evenly over the SMs; (272, 768): fewer tiles than SMs, 3 items per tile
+TILED_SHAPES = [(16, 256), (48, 512), (272, 768), (2000, 2304), (4096, 1024), (6144, 4096)]
+
+
+def _cuda():
+    from kbit_hf import cuda_backend
+
+    return cuda_backend
+
+
+def _sm90():
+    return torch.cuda.get_device_capability()[0] >= 9
+
+
+@functools.lru_cache(maxsize=8)
+def _quantized(shape):
+    g = torch.Generator().manual_seed(shape[0] * 3 + shape[1])
+    w = torch.randn(shape, generator=g)
+    w[1, 32:64] *= 1e-5  # a subnormal e4m4 block scale
+    return reference.quantize(w, fmt.nf0_codebook(4), 4, "e4m4")
+
+
+@pytest.mark.parametrize("shape", TILED_SHAPES, ids=str)
+def test_tile_kernels_match_the_format(shape):
+    cuda = _cuda()
+    p, a, _ = _quantized(shape)
+    wt, at = cuda.tile(p.cuda(), a.cuda(), shape[1])
+    rw, ra = fmt.tile(p, a, shape[1])
+    assert torch.equal(wt.cpu(), rw) and torch.equal(at.cpu(), ra)
+    p2, a2 = cuda.untile(wt, at, shape[1])
+    assert torch.equal(p2.cpu(), p) and torch.equal(a2.cpu(), a)
+
+
+@pytest.mark.parametrize("shape", TILED_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=str)
+def test_dequantize_tiled_is_bitwise_the_bit_plane_kernel(shape, dtype):
+    cuda = _cuda()
+    p, a, s = (t.cuda() for t in _quantized(shape))
+    cb = fmt.nf0_codebook(4).cuda()
+    wt, at = cuda.tile(p, a, shape[1])
+    got = cuda.dequantize(wt, at, s, cb, 4, shape[1], dtype)
+    assert torch.equal(got, cuda.dequantize(p, a, s, cb, 4, shape[1], dtype))
+    assert torch.equal(torch.ops.kbit.dequantize(wt, at, s, cb, 4, shape[1], dtype), got)
+
+
+@pytest.mark.parametrize("shape", TILED_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("M", (1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65))
+def test_gemv_tiled(shape, dtype, M):
+    if not _sm90():
+        pytest.skip("the tiled GEMV is sm_90")
+    cuda = _cuda()
+    out_f, in_f = shape
+    cb = fmt.nf0_codebook(4)
+    p, a, s = _quantized(shape)
+    g = torch.Generator().manual_seed(out_f + in_f + M)
+    x = torch.randn(M, in_f, generator=g).to(dtype)
+    bias = torch.randn(out_f, generator=g).to(dtype) if M % 2 else None
+    ref, mag = _ref_linear64(x, p, a, s, cb, 4, in_f, bias)
+    wt, at = cuda.tile(p.cuda(), a.cuda(), in_f)
+    xb, bb, cb_, s_ = x.cuda(), None if bias is None else bias.cuda(), cb.cuda(), s.cuda()
+    y = cuda.linear(xb, wt, at, s_, cb_, 4, in_f, bb)  # M = 65: dequantize (tiled) + cuBLAS
+    _assert_linear_close(y, ref, mag, dtype, rel_w=GEMV_REL_W[dtype])
+    assert torch.equal(cuda.linear(xb, wt, at, s_, cb_, 4, in_f, bb), y)  # deterministic
+    _assert_linear_close(torch.ops.kbit.linear(xb, wt, at, s_, cb_, 4, in_f, bb), ref, mag, dtype,
+                         rel_w=GEMV_REL_W[dtype])
+    if M <= 64:
+        out = torch.full((M, out_f), float("nan"), dtype=dtype, device="cuda")
+        cuda.linear_out(xb, wt, at, s_, cb_, 4, in_f, bb, out)
+        assert torch.equal(out, y)
+
+
+def test_tiled_cuda_graph_capture():
+    if not _sm90():
+        pytest.skip("the tiled GEMV is sm_90")
+    cuda = _cuda()
+    out_f, in_f = 6144, 4096
+    p, a, s = (t.cuda() for t in _quantized((out_f, in_f)))
+    cb = fmt.nf0_codebook(4).cuda()
+    wt, at = cuda.tile(p, a, in_f)
+    x = torch.randn(3, in_f, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(3, out_f, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        cuda.linear_out(x, wt, at, s, cb, 4, in_f, None, y)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda.linear_out(x, wt, at, s, cb, 4, in_f, None, y)
+    x.copy_(torch.randn_like(x))
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, cuda.linear(x, wt, at, s, cb, 4, in_f))
+
+
+def _layer(out_f, in_f, dtype=torch.bfloat16):
+    from kbit_hf import KbitLinear
+
+    layer = KbitLinear(in_f, out_f, True, 4, "e4m4", fmt.nf0_codebook(4), pre_quantized=False, dtype=dtype,
+                       device="cuda")
+    for name, t in layer.quantize_param("weight", torch.randn(out_f, in_f, device="cuda", dtype=dtype)).items():
+        setattr(layer, name, torch.nn.Parameter(t, requires_grad=False))
+    layer.bias = torch.nn.Parameter(torch.randn(out_f, device="cuda", dtype=dtype), requires_grad=False)
+    return layer
+
+
+def test_kbit_linear_tiles_large_layers_on_sm90():
+    big, small = _layer(6144, 4096), _layer(4096, 4096)
+    assert big.tile_() == _sm90() and not small.tile_()  # 4096 x 4096 is not worth it (docs/kernels.md)
+    if not _sm90():
+        return
+    sd = big.state_dict()  # the bit planes
+    assert sd["weight"].dtype == torch.uint32 and sd["weight"].shape == fmt.packed_shapes((6144, 4096), 4)["packed"]
+    for M in (1, 16, 100):
+        x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
+        y = big(x)
+        ref, mag = _ref_linear64(x.cpu(), sd["weight"].cpu(), sd["weight_absmax"].cpu(), sd["weight_scale"].cpu(),
+                                 sd["weight_codebook"].cpu(), 4, 4096, sd["bias"].cpu())
+        _assert_linear_close(y, ref, mag, torch.bfloat16, rel_w=GEMV_REL_W[torch.bfloat16])
+
+
+def test_from_pretrained_tiles_large_layers_and_saves_bit_planes(tmp_path):
+    if not _sm90():
+        pytest.skip("the tiled GEMV is sm_90")
+    from transformers import AutoModelForCausalLM
+
+    from kbit_hf import KbitConfig, KbitLinear
+    from tiny_models import tiny_model
+
+    fp = tmp_path / "fp"
+    tiny_model("llama", hidden_size=4096, intermediate_size=4352, num_hidden_layers=1, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128).save_pretrained(fp)
+    model = AutoModelForCausalLM.from_pretrained(fp, quantization_config=KbitConfig(k=4), device_map="cuda")
+    tiled = {n for n, m in model.named_modules() if isinstance(m, KbitLinear) and m.is_tiled}
+    assert tiled == {f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
+    ids = torch.randint(0, 64, (1, 5), device="cuda")
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+    model.save_pretrained(tmp_path / "q")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "q", device_map="cuda")
+    assert {n for n, m in again.named_modules() if isinstance(m, KbitLinear) and m.is_tiled} == tiled
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits.float(), logits)
+    for m in again.modules():
+        if isinstance(m, KbitLinear):
+            m.untile_()
+    with torch.no_grad():  # the bit-plane kernels: the same model within the GEMVs' rounding
+        planes = again(ids).logits.float()
+    assert ((planes - logits).norm() / logits.norm()).item() < 1e-2
