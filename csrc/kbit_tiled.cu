@@ -416,6 +416,22 @@ int grid_for(int64_t work, int threads) {
   return (int)(blocks < (int64_t)sms * 16 ? (blocks > 0 ? blocks : 1) : (int64_t)sms * 16);
 }
 
+// One instantiation's launch (its dynamic shared-memory limit is raised once per device).
+template <typename T, int NW, int S, int NT>
+int gemv_tiled_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
+                  const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
+  static bool attr_set[64] = {};  // current_device_sms: dev < 64
+  const int dyn = (int)smem_end(NW * S);
+  if (!attr_set[dev]) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(gemv_tiled_kernel<T, NW, S, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
+    if (e != cudaSuccess) return (int)e;
+    attr_set[dev] = true;
+  }
+  gemv_tiled_kernel<T, NW, S, NT><<<(unsigned)sms, NW * 32, dyn, st>>>(x, M, wt, at, scale, cb, bias, out, (int)in, y);
+  return (int)cudaGetLastError();
+}
+
 // The one (warps, slots) per token-tile count, from the H100 sweep of docs/kernels.md ("Tiled layout"): 16 warps
 // with one slot each for M <= 16, 8 warps for more tokens (their accumulators need the registers).
 template <typename T>
@@ -425,21 +441,10 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
   if (!current_device_sms(dev, sms) || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != 0)
     return (int)cudaErrorInvalidDevice;
   if (major < 9) return (int)cudaErrorNotSupported;
-  auto go = [&](auto kern, int NW, int S) -> int {
-    const int dyn = (int)smem_end(NW * S);
-    static bool attr_set[64] = {};  // per instantiation and device (current_device_sms: dev < 64)
-    if (!attr_set[dev]) {
-      const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
-      if (e != cudaSuccess) return (int)e;
-      attr_set[dev] = true;
-    }
-    kern<<<(unsigned)sms, NW * 32, dyn, st>>>(x, M, wt, at, scale, cb, bias, out, (int)in, y);
-    return (int)cudaGetLastError();
-  };
-  if (M <= 8) return go(gemv_tiled_kernel<T, 16, 1, 1>, 16, 1);
-  if (M <= 16) return go(gemv_tiled_kernel<T, 16, 1, 2>, 16, 1);
-  if (M <= 32) return go(gemv_tiled_kernel<T, 8, 1, 4>, 8, 1);
-  return go(gemv_tiled_kernel<T, 8, 1, 8>, 8, 1);
+  if (M <= 8) return gemv_tiled_go<T, 16, 1, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  if (M <= 16) return gemv_tiled_go<T, 16, 1, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  if (M <= 32) return gemv_tiled_go<T, 8, 1, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  return gemv_tiled_go<T, 8, 1, 8>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
 }
 
 }  // namespace
