@@ -110,7 +110,7 @@ __device__ __forceinline__ void store_tile(T* y, const T* bias, int64_t out, int
 }
 
 // NT tiles of 8 tokens (M <= 8 NT). NT = 1 loads an item's activations before waiting for its weights; NT > 1 loads
-// each block's at use (fewer registers).
+// one block's ahead (fewer registers): the first block's before the wait, block kb + 1's while kb computes.
 template <typename T, int NW, int S, int NT>
 __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restrict__ x, int M,
                                                                  const uint8_t* __restrict__ wt,
@@ -186,13 +186,17 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       }
       cur = t;
     }
-    uint4 xv1[NT == 1 ? 8 : 1];  // NT = 1: elements 256 v + 32 kb + 8 q .. + 7, kb = the item's 8 blocks
+    // activations: elements 256 v + 32 kb + 8 q .. + 7 of block kb of the item, per token tile
+    auto load_x = [&](int nt, int kb) {
+      return xon[nt] ? __ldg(reinterpret_cast<const uint4*>(xg[nt] + 256 * v + 32 * kb)) : make_uint4(0u, 0u, 0u, 0u);
+    };
+    uint4 xv1[NT == 1 ? 8 : 1], xn[NT > 1 ? NT : 1];  // NT = 1: all 8 blocks; NT > 1: the next block
     if constexpr (NT == 1) {
 #pragma unroll
-      for (int kb = 0; kb < 8; ++kb) {
-        xv1[kb] = make_uint4(0u, 0u, 0u, 0u);
-        if (xon[0]) xv1[kb] = __ldg(reinterpret_cast<const uint4*>(xg[0] + 256 * v + 32 * kb));
-      }
+      for (int kb = 0; kb < 8; ++kb) xv1[kb] = load_x(0, kb);
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) xn[nt] = load_x(nt, 0);
     }
     const uint32_t k = (uint32_t)(u - u0), s = k % S;
     mbar_wait(wbar + 8 * s, (k / S) & 1u);
@@ -218,15 +222,17 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 #pragma unroll
         for (int j = 0; j < 4; ++j) A[h][j] = lds_at(prmt(w[2 * kb + h], cl, 0x6504u | (uint32_t)j << 4));
       const float s0 = e4m4_f((sg >> (8 * bb)) & 0xFFu), s1 = e4m4_f((sh >> (8 * bb)) & 0xFFu);
+      uint4 xc[NT > 1 ? NT : 1];
+      if constexpr (NT > 1) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          xc[nt] = xn[nt];
+          if (kb + 1 < 8) xn[nt] = load_x(nt, kb + 1);
+        }
+      }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        uint4 xv;
-        if constexpr (NT == 1) {
-          xv = xv1[kb];
-        } else {
-          xv = make_uint4(0u, 0u, 0u, 0u);
-          if (xon[nt]) xv = __ldg(reinterpret_cast<const uint4*>(xg[nt] + 256 * v + 32 * kb));
-        }
+        const uint4 xv = NT == 1 ? xv1[kb] : xc[nt];
         float d[4] = {0.f, 0.f, 0.f, 0.f};
         Mma<T>::run(d, A[0][0], A[0][1], A[0][2], A[0][3], xv.x, xv.y);
         Mma<T>::run(d, A[1][0], A[1][1], A[1][2], A[1][3], xv.z, xv.w);
