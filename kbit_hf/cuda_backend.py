@@ -242,35 +242,28 @@ def tiled_supported(device) -> bool:
 
 def tile(packed, absmax, in_features):
     """format.tile on the GPU (bitwise the same bytes)."""
-    out = packed.shape[0]
-    if (packed.dtype != torch.uint32 or absmax.dtype != torch.uint8 or packed.dim() != 2
-            or tuple(packed.shape) != (out, in_features // 8) or tuple(absmax.shape) != (out, in_features // 32)
-            or not fmt.tileable(out, in_features, 4, "e4m4")):
-        return fmt.tile(packed, absmax, in_features)  # raises the error that names the problem
-    packed, absmax = packed.contiguous(), absmax.contiguous()
-    wt = torch.empty((out, in_features // 2), dtype=torch.uint8, device=packed.device)
-    at = torch.empty_like(absmax)
-    with _on_device(packed.device):
-        rc = _lib.kbit_tile(packed.data_ptr(), absmax.data_ptr(), out, in_features, wt.data_ptr(), at.data_ptr(),
-                            _stream(packed.device))
-    _check(rc, "tile")
-    return wt, at
+    return _relayout(_lib.kbit_tile, fmt.tile, packed, absmax, in_features, (torch.uint32, 8), (torch.uint8, 2))
 
 
 def untile(wt, at, in_features):
     """format.untile on the GPU (bitwise the same bytes)."""
-    out = wt.shape[0]
-    if wt.dtype != torch.uint8 or tuple(wt.shape) != (out, in_features // 2) or tuple(at.shape) != (
-            out, in_features // 32) or not fmt.tileable(out, in_features, 4, "e4m4"):
-        return fmt.untile(wt, at, in_features)  # raises the error that names the problem
-    wt, at = wt.contiguous(), at.contiguous()
-    packed = torch.empty((out, in_features // 8), dtype=torch.uint32, device=wt.device)
-    absmax = torch.empty_like(at)
-    with _on_device(wt.device):
-        rc = _lib.kbit_untile(wt.data_ptr(), at.data_ptr(), out, in_features, packed.data_ptr(), absmax.data_ptr(),
-                              _stream(wt.device))
-    _check(rc, "untile")
-    return packed, absmax
+    return _relayout(_lib.kbit_untile, fmt.untile, wt, at, in_features, (torch.uint8, 2), (torch.uint32, 8))
+
+
+def _relayout(kernel, reference_fn, w, a, in_features, src, dst):
+    """Bit planes <-> tiled: w is src = (dtype, in / columns), the result dst. What the layout cannot hold goes to
+    the reference, which raises the error that names the problem."""
+    out = w.shape[0]
+    if (w.dtype != src[0] or a.dtype != torch.uint8 or tuple(w.shape) != (out, in_features // src[1])
+            or tuple(a.shape) != (out, in_features // 32) or not fmt.tileable(out, in_features, 4, "e4m4")):
+        return reference_fn(w, a, in_features)
+    w, a = w.contiguous(), a.contiguous()
+    w2 = torch.empty((out, in_features // dst[1]), dtype=dst[0], device=w.device)
+    a2 = torch.empty_like(a)
+    with _on_device(w.device):
+        rc = kernel(w.data_ptr(), a.data_ptr(), out, in_features, w2.data_ptr(), a2.data_ptr(), _stream(w.device))
+    _check(rc, kernel.__name__)
+    return w2, a2
 
 
 def quantize_out(weight, codebook, k, absmax_format, packed, absmax, scale):

@@ -79,26 +79,26 @@ class KbitLinear(nn.Linear):
     def is_tiled(self) -> bool:
         return fmt.is_tiled(self.weight)
 
+    def _layout_fits(self) -> bool:  # packed bit planes of a shape and format the tiled layout can hold
+        return self.weight.dtype == torch.uint32 and fmt.tileable(self.out_features, self.in_features, self.k,
+                                                                  self.absmax_format)
+
     def tileable(self) -> bool:
-        """The layout applies (K = 4, e4m4, out % 16, in % 256), the weight is large enough to gain from it, and its
+        """The layout fits (K = 4, e4m4, out % 16, in % 256), the weight is large enough to gain from it, and its
         device runs the tiled GEMV."""
         from . import cuda_backend
 
-        return (self.weight.dtype == torch.uint32 and fmt.tileable(self.out_features, self.in_features, self.k,
-                                                                   self.absmax_format)
-                and self.out_features * self.in_features >= cuda_backend.TILED_MIN_NUMEL
+        return (self._layout_fits() and self.out_features * self.in_features >= cuda_backend.TILED_MIN_NUMEL
                 and cuda_backend.tiled_supported(self.weight.device))
 
     def tile_(self, force: bool = False) -> bool:
-        """Switch to the tiled layout where it applies (force: wherever the format allows, e.g. on the CPU for
-        tests). Returns whether the layer is tiled now."""
+        """Switch to the tiled layout where it applies (force: wherever the layout fits, e.g. on the CPU for tests).
+        Returns whether the layer is tiled now."""
         from . import cuda_backend
 
         if self.is_tiled:
             return True
-        if not (self.tileable() or (force and self.weight.dtype == torch.uint32
-                                    and fmt.tileable(self.out_features, self.in_features, self.k,
-                                                     self.absmax_format))):
+        if not (self.tileable() or (force and self._layout_fits())):
             return False
         tile = cuda_backend.tile if self.weight.is_cuda and cuda_backend.available() else fmt.tile
         wt, at = tile(self.weight, self.weight_absmax, self.in_features)
