@@ -126,7 +126,8 @@ def test_kbit_linear_does_not_tile_what_the_layout_cannot_hold():
 def test_save_pretrained_of_a_tiled_model_writes_bit_planes(tmp_path):
     fp = tmp_path / "fp"
     tiny_model("llama", hidden_size=256, intermediate_size=512, head_dim=32).save_pretrained(fp)
-    model = AutoModelForCausalLM.from_pretrained(fp, quantization_config=KbitConfig(k=4))
+    # on the CPU (a GPU machine would otherwise load to CUDA): both logits below then come from the reference ops
+    model = AutoModelForCausalLM.from_pretrained(fp, quantization_config=KbitConfig(k=4), device_map="cpu")
     model.save_pretrained(tmp_path / "planes")
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -140,6 +141,6 @@ def test_save_pretrained_of_a_tiled_model_writes_bit_planes(tmp_path):
     a = load_file(os.path.join(tmp_path / "planes", "model.safetensors"))
     b = load_file(os.path.join(tmp_path / "tiled", "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
-    again = AutoModelForCausalLM.from_pretrained(tmp_path / "tiled")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "tiled", device_map="cpu")
     with torch.no_grad():
         assert torch.equal(again(ids).logits, ref_logits)
