@@ -1,4 +1,5 @@
-"""Driver for an ncu profile of the fused GEMV (bf16, M=1; default 14336x4096, K=4):
+"""Driver for an ncu profile of the fused GEMV (bf16, M=1; default 14336x4096, K=4; the tiled layout where KbitLinear
+would hold the weight in it):
 ncu --clock-control none --kernel-name regex:gemv --launch-skip 3 --launch-count 1 --section ... \
     python3 tests/gpu/profile_gemv.py [OUTxIN] [K]
 """
@@ -15,6 +16,9 @@ k = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 w = torch.randn(out, inp, device="cuda", dtype=torch.bfloat16)
 cb = fmt.nf0_codebook(k).cuda()
 packed, absmax, scale = cuda_backend.quantize(w, cb, k, "e4m4")
+if k == 4 and fmt.tileable(out, inp, k, "e4m4") and out * inp >= cuda_backend.TILED_MIN_NUMEL \
+        and cuda_backend.tiled_supported(w.device):  # what KbitLinear holds (KBIT_TILED=0: the bit planes)
+    packed, absmax = cuda_backend.tile(packed, absmax, inp)
 x = torch.randn(1, inp, device="cuda", dtype=torch.bfloat16)
 for _ in range(5):
     y = cuda_backend.linear(x, packed, absmax, scale, cb, k, inp)
