@@ -29,6 +29,17 @@ inline bool current_device_sms(int& dev, int& sms) {
   return true;
 }
 
+// A grid-stride grid for `threads_needed` threads in blocks of `threads`: at most 16 blocks per SM.
+inline int grid_for_threads(int64_t threads_needed, int threads = 256) {
+  int dev = 0, sms = 132;
+  current_device_sms(dev, sms);
+  int64_t blocks = (threads_needed + threads - 1) / threads;
+  const int64_t cap = (int64_t)sms * 16;  // enough resident blocks, grid-stride beyond that
+  if (blocks > cap) blocks = cap;
+  if (blocks < 1) blocks = 1;
+  return (int)blocks;
+}
+
 // ---- dtypes shared with the C ABI ----
 enum DType : int { F32 = 0, F16 = 1, BF16 = 2 };
 
@@ -42,6 +53,10 @@ __host__ __device__ __forceinline__ float e4m4_decode(uint32_t code) {
   memcpy(&f, &bits, 4);
   return f;
 }
+
+// the same value in three instructions (the GEMVs' hot loops): the code's bits placed as a float's exponent and
+// mantissa make 2^-116 times the value for every code, subnormal codes included
+__device__ __forceinline__ float e4m4_decode_fast(uint32_t code) { return __uint_as_float(code << 19) * 0x1p116f; }
 
 // encode: round a float in [0, 31] to the nearest code, an exact tie to the even code (== format.e4m4_encode).
 __host__ __device__ __forceinline__ uint32_t e4m4_encode(float a) {

@@ -270,7 +270,7 @@ template <typename T>
 __device__ __forceinline__ uint32_t scale_pair(uint32_t sc, int fp16) {
   float d;
   if (fp16) d = __half2float(__ushort_as_half((unsigned short)sc));
-  else d = __uint_as_float(sc << 19) * 0x1p116f;  // exact e4m4 decode, subnormal codes included
+  else d = e4m4_decode_fast(sc);
   d *= Mma<T>::PRE;
   return Mma<T>::pack(d, d);
 }

@@ -196,16 +196,6 @@ __global__ void __launch_bounds__(256) dequant_kernel(const uint32_t* __restrict
   }
 }
 
-int grid_for(int64_t warps_needed, int threads = 256) {
-  int dev = 0, sms = 132;
-  current_device_sms(dev, sms);
-  int64_t blocks = (warps_needed * 32 + threads - 1) / threads;
-  int64_t cap = (int64_t)sms * 16;  // enough resident blocks, grid-stride beyond that
-  if (blocks > cap) blocks = cap;
-  if (blocks < 1) blocks = 1;
-  return (int)blocks;
-}
-
 template <typename T>
 int quantize_t(const T* w, int64_t E, int64_t out, int64_t in, const float* cb, int k, int fp16, uint32_t* packed,
                void* absmax, float* scale, cudaStream_t st) {
@@ -214,7 +204,7 @@ int quantize_t(const T* w, int64_t E, int64_t out, int64_t in, const float* cb, 
   cudaError_t err = cudaMemsetAsync(scale, 0, sizeof(float) * E, st);
   if (err != cudaSuccess) return (int)err;
   if (total > 0) {
-    int g = grid_for(total);
+    int g = grid_for_threads(total * 32);  // one warp per block
     quant_absmax_kernel<T><<<g, 256, 0, st>>>(w, E, out, in, nb, scale);
     switch (k) {
       case 2: quant_pack_kernel<T, 2><<<g, 256, 0, st>>>(w, E, out, in, nb, cb, fp16, scale, packed, absmax); break;

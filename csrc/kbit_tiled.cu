@@ -89,8 +89,6 @@ __device__ __forceinline__ void fetch_item(uint32_t slot, const uint8_t* w, cons
                ::"r"(slot + ITEM_W), "l"(a), "r"(ITEM_A), "r"(bar) : "memory");
 #endif
 }
-// e4m4 block scale code -> float, exact (subnormal codes included)
-__device__ __forceinline__ float e4m4_f(uint32_t code) { return __uint_as_float(code << 19) * 0x1p116f; }
 
 // one tile's 16 x 8 fragment of token tile nt (this lane's 4 values) times the tensor scale, plus bias, into y
 template <typename T>
@@ -135,7 +133,8 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   const int IPT = in / 256;  // items per tile
   const int64_t t0 = T_ * blockIdx.x / gridDim.x, t1 = T_ * (blockIdx.x + 1) / gridDim.x;
   const int64_t n = (t1 - t0) * IPT;  // the CTA's items
-  const int64_t u0 = n * warp / NW, u1 = n * (warp + 1) / NW;
+  auto range_begin = [&](int w2) { return n * w2 / NW; };  // warp w2's items: [range_begin(w2), range_begin(w2 + 1))
+  const int64_t u0 = range_begin(warp), u1 = range_begin(warp + 1);
   const uint8_t* wsrc = wt + (t0 * IPT) * ITEM_W;
   const uint8_t* asrc = at + (t0 * IPT) * ITEM_A;
   const uint32_t wbar = BARS + warp * S * 8;
@@ -221,7 +220,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int j = 0; j < 4; ++j) A[h][j] = lds_at(prmt(w[2 * kb + h], cl, 0x6504u | (uint32_t)j << 4));
-      const float s0 = e4m4_f((sg >> (8 * bb)) & 0xFFu), s1 = e4m4_f((sh >> (8 * bb)) & 0xFFu);
+      const float s0 = e4m4_decode_fast((sg >> (8 * bb)) & 0xFFu), s1 = e4m4_decode_fast((sh >> (8 * bb)) & 0xFFu);
       uint4 xc[NT > 1 ? NT : 1];
       if constexpr (NT > 1) {
 #pragma unroll
@@ -273,7 +272,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
     if (side == 0) {
       bool earlier = false;
       for (int w2 = warp - 1; w2 >= 0; --w2) {
-        const int64_t b0 = n * w2 / NW, b1 = n * (w2 + 1) / NW;
+        const int64_t b0 = range_begin(w2), b1 = range_begin(w2 + 1);
         if (b0 < b1) {
           earlier = (b1 - 1) / IPT == t;
           break;
@@ -287,7 +286,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 #pragma unroll
       for (int i = 0; i < 4; ++i) vv[i] = *red_at(warp, side, nt, i);
       for (int w2 = warp + 1; w2 < NW; ++w2) {
-        const int64_t b0 = n * w2 / NW, b1 = n * (w2 + 1) / NW;
+        const int64_t b0 = range_begin(w2), b1 = range_begin(w2 + 1);
         if (b0 >= b1) continue;
         if (b0 / IPT != t) break;
 #pragma unroll
@@ -415,13 +414,6 @@ __global__ void dequant_tiled_kernel(const uint8_t* __restrict__ wt, const uint8
 
 bool tiled_shape(int64_t out, int64_t in) { return out > 0 && in > 0 && out % 16 == 0 && in % 256 == 0 && in < (1 << 30); }
 
-int grid_for(int64_t work, int threads) {
-  int dev = 0, sms = 132;
-  current_device_sms(dev, sms);
-  const int64_t blocks = (work + threads - 1) / threads;
-  return (int)(blocks < (int64_t)sms * 16 ? (blocks > 0 ? blocks : 1) : (int64_t)sms * 16);
-}
-
 // One instantiation's launch (its dynamic shared-memory limit is raised once per device).
 template <typename T, int NW, int S, int NT>
 int gemv_tiled_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
@@ -467,7 +459,7 @@ extern "C" {
 KBIT_API int kbit_tile(const uint32_t* packed, const void* absmax, int64_t out, int64_t in, void* wt, void* at,
                        void* stream) {
   if (!tiled_shape(out, in)) return (int)cudaErrorInvalidValue;
-  tile_kernel<<<grid_for(out * in / 8, 256), 256, 0, (cudaStream_t)stream>>>(
+  tile_kernel<<<grid_for_threads(out * in / 8), 256, 0, (cudaStream_t)stream>>>(
       packed, (const uint8_t*)absmax, out, (int)in, (uint32_t*)wt, (uint8_t*)at);
   return (int)cudaGetLastError();
 }
@@ -475,7 +467,7 @@ KBIT_API int kbit_tile(const uint32_t* packed, const void* absmax, int64_t out, 
 KBIT_API int kbit_untile(const void* wt, const void* at, int64_t out, int64_t in, uint32_t* packed, void* absmax,
                          void* stream) {
   if (!tiled_shape(out, in)) return (int)cudaErrorInvalidValue;
-  untile_kernel<<<grid_for(out * in / 32, 256), 256, 0, (cudaStream_t)stream>>>(
+  untile_kernel<<<grid_for_threads(out * in / 32), 256, 0, (cudaStream_t)stream>>>(
       (const uint8_t*)wt, (const uint8_t*)at, out, (int)in, packed, (uint8_t*)absmax);
   return (int)cudaGetLastError();
 }
@@ -483,7 +475,7 @@ KBIT_API int kbit_untile(const void* wt, const void* at, int64_t out, int64_t in
 KBIT_API int kbit_dequantize_tiled(const void* wt, const void* at, const float* scale, const float* codebook,
                                    int64_t out, int64_t in, void* y, int y_dtype, void* stream) {
   if (!tiled_shape(out, in)) return (int)cudaErrorInvalidValue;
-  const int grid = grid_for(out * in / 16, 256);
+  const int grid = grid_for_threads(out * in / 16);
   cudaStream_t st = (cudaStream_t)stream;
   const uint8_t *w = (const uint8_t*)wt, *a = (const uint8_t*)at;
   switch (y_dtype) {

@@ -42,6 +42,7 @@ __all__ = [
     "EXPERT_GEMV_MAX_N",
     "TILED_MIN_NUMEL",
     "tiled_supported",
+    "holds_tiled",
     "tile",
     "untile",
 ]
@@ -229,7 +230,8 @@ _tiled_ok: dict[int, bool] = {}
 def tiled_supported(device) -> bool:
     """The tiled GEMV runs on this device: the library is loaded, the GPU is sm_90 or newer (bulk async copies), and
     KBIT_TILED is not 0 (a benchmark knob: KbitLinear then keeps the bit planes)."""
-    device = torch.device(device)
+    if not isinstance(device, torch.device):  # the hot path passes x.device
+        device = torch.device(device)
     if _lib is None or device.type != "cuda":
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -240,23 +242,32 @@ def tiled_supported(device) -> bool:
     return ok
 
 
+def holds_tiled(out_features, in_features, k, absmax_format, device) -> bool:
+    """KbitLinear holds a weight of this shape and format tiled on this device: the layout fits, the weight is large
+    enough to gain from it, and the device runs the tiled GEMV."""
+    return (fmt.tileable(out_features, in_features, k, absmax_format)
+            and out_features * in_features >= TILED_MIN_NUMEL and tiled_supported(device))
+
+
 def tile(packed, absmax, in_features):
-    """format.tile on the GPU (bitwise the same bytes)."""
-    return _relayout(_lib.kbit_tile, fmt.tile, packed, absmax, in_features, (torch.uint32, 8), (torch.uint8, 2))
+    """format.tile, on the GPU for CUDA tensors (bitwise the same bytes)."""
+    return _relayout("kbit_tile", fmt.tile, packed, absmax, in_features, (torch.uint32, 8), (torch.uint8, 2))
 
 
 def untile(wt, at, in_features):
-    """format.untile on the GPU (bitwise the same bytes)."""
-    return _relayout(_lib.kbit_untile, fmt.untile, wt, at, in_features, (torch.uint8, 2), (torch.uint32, 8))
+    """format.untile, on the GPU for CUDA tensors (bitwise the same bytes)."""
+    return _relayout("kbit_untile", fmt.untile, wt, at, in_features, (torch.uint8, 2), (torch.uint32, 8))
 
 
 def _relayout(kernel, reference_fn, w, a, in_features, src, dst):
-    """Bit planes <-> tiled: w is src = (dtype, in / columns), the result dst. What the layout cannot hold goes to
-    the reference, which raises the error that names the problem."""
+    """Bit planes <-> tiled: w is src = (dtype, in / columns), the result dst. CPU tensors, and what the layout cannot
+    hold, go to the reference (which raises the error that names the problem)."""
     out = w.shape[0]
-    if (w.dtype != src[0] or a.dtype != torch.uint8 or tuple(w.shape) != (out, in_features // src[1])
-            or tuple(a.shape) != (out, in_features // 32) or not fmt.tileable(out, in_features, 4, "e4m4")):
+    if (_lib is None or not w.is_cuda or w.dtype != src[0] or a.dtype != torch.uint8
+            or tuple(w.shape) != (out, in_features // src[1]) or tuple(a.shape) != (out, in_features // 32)
+            or not fmt.tileable(out, in_features, 4, "e4m4")):
         return reference_fn(w, a, in_features)
+    kernel = getattr(_lib, kernel)
     w, a = w.contiguous(), a.contiguous()
     w2 = torch.empty((out, in_features // dst[1]), dtype=dst[0], device=w.device)
     a2 = torch.empty_like(a)

@@ -84,12 +84,12 @@ class KbitLinear(nn.Linear):
                                                                   self.absmax_format)
 
     def tileable(self) -> bool:
-        """The layout fits (K = 4, e4m4, out % 16, in % 256), the weight is large enough to gain from it, and its
-        device runs the tiled GEMV."""
+        """Bit planes that KbitLinear holds tiled on this device (cuda_backend.holds_tiled: the layout fits, the
+        weight is large enough to gain from it, the device runs the tiled GEMV)."""
         from . import cuda_backend
 
-        return (self._layout_fits() and self.out_features * self.in_features >= cuda_backend.TILED_MIN_NUMEL
-                and cuda_backend.tiled_supported(self.weight.device))
+        return self.weight.dtype == torch.uint32 and cuda_backend.holds_tiled(
+            self.out_features, self.in_features, self.k, self.absmax_format, self.weight.device)
 
     def tile_(self, force: bool = False) -> bool:
         """Switch to the tiled layout where it applies (force: wherever the layout fits, e.g. on the CPU for tests).
@@ -100,8 +100,7 @@ class KbitLinear(nn.Linear):
             return True
         if not (self.tileable() or (force and self._layout_fits())):
             return False
-        tile = cuda_backend.tile if self.weight.is_cuda and cuda_backend.available() else fmt.tile
-        wt, at = tile(self.weight, self.weight_absmax, self.in_features)
+        wt, at = cuda_backend.tile(self.weight, self.weight_absmax, self.in_features)
         self.weight, self.weight_absmax = _frozen(wt), _frozen(at)
         return True
 
@@ -112,8 +111,7 @@ class KbitLinear(nn.Linear):
     def _bit_planes(self) -> tuple[torch.Tensor, torch.Tensor]:
         from . import cuda_backend
 
-        untile = cuda_backend.untile if self.weight.is_cuda and cuda_backend.available() else fmt.untile
-        return untile(self.weight, self.weight_absmax, self.in_features)
+        return cuda_backend.untile(self.weight, self.weight_absmax, self.in_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)

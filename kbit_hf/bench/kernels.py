@@ -97,12 +97,6 @@ def _tinygemm_weights(out_f, in_f, device="cuda"):
     return wp, sz
 
 
-def _tiled(out_f, in_f, k, cuda) -> bool:
-    """KbitLinear would hold this weight in the tiled layout on this GPU (see KbitLinear.tileable)."""
-    return (fmt.tileable(out_f, in_f, k, "e4m4") and out_f * in_f >= cuda.TILED_MIN_NUMEL
-            and cuda.tiled_supported(torch.device("cuda")))
-
-
 def _have_bnb():
     try:
         import bitsandbytes  # noqa: F401
@@ -148,7 +142,7 @@ def run(args) -> int:
         pct = 100 * nbytes / (us * 1e-6) / bw
         print(f"{k:>3} {us:9.1f} {nbytes / us / 1e3:8.0f} {pct:6.1f}%")
         results["dequantize"].append({"k": k, "shape": [do, di], "us": us, "pct_copy": pct})
-        if _tiled(do, di, k, cuda):  # the layout KbitLinear holds this weight in (format.tile)
+        if cuda.holds_tiled(do, di, k, "e4m4", torch.device("cuda")):  # the layout KbitLinear holds this weight in (format.tile)
             wt, at = cuda.tile(p, a, di)
             us = _time_graph([lambda o=o: cuda.dequantize_out(wt, at, s, cb, k, di, o) for o in outs], repeats)
             pct = 100 * nbytes / (us * 1e-6) / bw
@@ -213,7 +207,7 @@ def run(args) -> int:
                 kbytes = p0.numel() * 4 + a0.numel()
                 copies = [(p0, a0)] + [(p0.clone(), a0.clone()) for _ in range(_n_copies(kbytes) - 1)]
                 y = torch.empty(M, out_f, device="cuda", dtype=torch.bfloat16)
-                tiled = _tiled(out_f, in_f, k, cuda)
+                tiled = cuda.holds_tiled(out_f, in_f, k, "e4m4", torch.device("cuda"))
                 if tiled:  # KbitLinear holds this weight in the tiled layout: time that, and the bit planes too
                     tcopies = [cuda.tile(c[0], c[1], in_f) for c in copies]
                     us = _time_graph([lambda c=c: cuda.linear_out(x, c[0], c[1], s0, cb, k, in_f, None, y)

@@ -16,8 +16,7 @@ k = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 w = torch.randn(out, inp, device="cuda", dtype=torch.bfloat16)
 cb = fmt.nf0_codebook(k).cuda()
 packed, absmax, scale = cuda_backend.quantize(w, cb, k, "e4m4")
-if k == 4 and fmt.tileable(out, inp, k, "e4m4") and out * inp >= cuda_backend.TILED_MIN_NUMEL \
-        and cuda_backend.tiled_supported(w.device):  # what KbitLinear holds (KBIT_TILED=0: the bit planes)
+if cuda_backend.holds_tiled(out, inp, k, "e4m4", w.device):  # what KbitLinear holds (KBIT_TILED=0: the bit planes)
     packed, absmax = cuda_backend.tile(packed, absmax, inp)
 x = torch.randn(1, inp, device="cuda", dtype=torch.bfloat16)
 for _ in range(5):
