@@ -23,6 +23,10 @@
 #include "kbit_common.cuh"
 
 #include <cuda_runtime.h>
+#ifdef KBIT_TILED_SWEEP
+#include <cstdlib>
+#include <cstring>
+#endif
 
 using namespace kbit;
 
@@ -34,13 +38,18 @@ constexpr uint32_t LOW = 0x1400;     // the first ring slots, below the table
 constexpr uint32_t TABLE = 0x10000;  // the pair table (256 rows of 256 bytes, 128 used); after the main loop, the
                                      // boundary partials [NW][2][NT][32 lanes][4] floats
 constexpr uint32_t RING = 0x20000;   // the other ring slots
-constexpr uint32_t ITEM_W = 2048, ITEM_A = 128, SLOT = ITEM_W + ITEM_A;
-constexpr uint32_t NLOW = (TABLE - LOW) / SLOT;
-// window address of ring slot i (warp * S + s), and the end of the window that nslots slots need
+constexpr uint32_t ITEM_W = 2048, ITEM_A = 128, ITEM = ITEM_W + ITEM_A;
+// A ring slot holds G consecutive items (one bulk copy of their weights, one of their scales): G * 2 KB of weights,
+// then G * 128 B of scales. Window address of slot i (warp * S + s), and the end of the window that nslots need.
+template <int G>
 __host__ __device__ constexpr uint32_t slot_addr(uint32_t i) {
+  constexpr uint32_t SLOT = G * ITEM, NLOW = (TABLE - LOW) / SLOT;
   return i < NLOW ? LOW + i * SLOT : RING + (i - NLOW) * SLOT;
 }
-__host__ __device__ constexpr uint32_t smem_end(uint32_t nslots) { return nslots <= NLOW ? RING : slot_addr(nslots); }
+template <int G>
+__host__ __device__ constexpr uint32_t smem_end(uint32_t nslots) {
+  return nslots <= (TABLE - LOW) / (G * ITEM) ? RING : slot_addr<G>(nslots);
+}
 
 __device__ __forceinline__ uint32_t lds_at(uint32_t addr) {
   uint32_t v;
@@ -79,28 +88,48 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
-// one item (weights + scales) into a ring slot, completing on its mbarrier (lane 0 only)
-__device__ __forceinline__ void fetch_item(uint32_t slot, const uint8_t* w, const uint8_t* a, uint32_t bar) {
+// nitems <= G consecutive items (weights + scales) into a ring slot of G items, completing on its mbarrier (one lane)
+template <int G>
+__device__ __forceinline__ void fetch_items(uint32_t slot, const uint8_t* w, const uint8_t* a, uint32_t bar,
+                                            uint32_t nitems) {
 #if KBIT_SM90
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(SLOT) : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(nitems * ITEM) : "memory");
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(slot), "l"(w), "r"(ITEM_W), "r"(bar) : "memory");
+               ::"r"(slot), "l"(w), "r"(nitems * ITEM_W), "r"(bar) : "memory");
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(slot + ITEM_W), "l"(a), "r"(ITEM_A), "r"(bar) : "memory");
+               ::"r"(slot + G * ITEM_W), "l"(a), "r"(nitems * ITEM_A), "r"(bar) : "memory");
 #endif
+}
+
+// bf16 only: the pair table holds the codebook times 2^32 and the block scales enter the sums as their raw bits
+// (code << 19 read as a float is 2^-116 times the e4m4 value), so the hot loop spends no multiply on decoding them;
+// store_tile multiplies by 2^84 once. With 2^32 in the table the products stay normal floats for activations down to
+// about 2^-24 times the smallest scale, and the MMA sums stay finite for activations below 2^90. (fp16 cannot hold
+// the scaled codebook: it decodes each scale.)
+template <typename T> struct Fold {
+  static constexpr bool ON = false;
+};
+template <> struct Fold<__nv_bfloat16> {
+  static constexpr bool ON = true;
+};
+__device__ __forceinline__ float table_value(float c, bool fold) { return fold ? c * 0x1p32f : c; }
+template <typename T>
+__device__ __forceinline__ float block_scale(uint32_t code) {
+  return Fold<T>::ON ? __uint_as_float(code << 19) : e4m4_decode_fast(code);
 }
 
 // one tile's 16 x 8 fragment of token tile nt (this lane's 4 values) times the tensor scale, plus bias, into y
 template <typename T>
 __device__ __forceinline__ void store_tile(T* y, const T* bias, int64_t out, int M, int64_t t, int nt, int lane,
                                            float sc, const float (&v)[4]) {
+  constexpr float UNFOLD = Fold<T>::ON ? 0x1p84f : 1.f;  // 2^(116 - 32): see Fold
   const int g = lane >> 2, q = lane & 3;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int m = 8 * nt + 2 * q + (i & 1);
     const int64_t o = 16 * t + g + 8 * (i >> 1);
     if (m < M) {
-      float r = v[i] * sc;
+      float r = (v[i] * UNFOLD) * sc;  // the first product is exact
       if (bias != nullptr) r += Cvt<T>::to_f(bias[o]);
       y[(int64_t)m * out + o] = Cvt<T>::from_f(r);
     }
@@ -109,7 +138,7 @@ __device__ __forceinline__ void store_tile(T* y, const T* bias, int64_t out, int
 
 // NT tiles of 8 tokens (M <= 8 NT). NT = 1 loads an item's activations before waiting for its weights; NT > 1 loads
 // one block's ahead (fewer registers): the first block's before the wait, block kb + 1's while kb computes.
-template <typename T, int NW, int S, int NT>
+template <typename T, int NW, int S, int G, int NT>
 __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restrict__ x, int M,
                                                                  const uint8_t* __restrict__ wt,
                                                                  const uint8_t* __restrict__ at,
@@ -126,52 +155,59 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   static_assert(BARS + NW * S * 8 <= LOW && NW * 2 * NT * 512 <= RING - TABLE, "shared-memory map");
   uint32_t dsz;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsz));
-  if (base > BARS || base + dsz < smem_end(NW * S)) __trap();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (base > BARS || base + dsz < smem_end<G>(NW * S)) __trap();
+  // the warp index through a shuffle: the compiler then knows it is warp-uniform and keeps the bulk-copy operands in
+  // uniform registers (no per-lane loop around each copy)
+  const int lane = threadIdx.x & 31, warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
   const int g = lane >> 2, q = lane & 3;
   const int64_t T_ = out / 16;
   const int IPT = in / 256;  // items per tile
   const int64_t t0 = T_ * blockIdx.x / gridDim.x, t1 = T_ * (blockIdx.x + 1) / gridDim.x;
-  const int64_t n = (t1 - t0) * IPT;  // the CTA's items
-  auto range_begin = [&](int w2) { return n * w2 / NW; };  // warp w2's items: [range_begin(w2), range_begin(w2 + 1))
-  const int64_t u0 = range_begin(warp), u1 = range_begin(warp + 1);
+  // item indices below are 32-bit and relative to the CTA's first item (a CTA holds far fewer than 2^31 items)
+  const int n = (int)((t1 - t0) * IPT);  // the CTA's items
+  auto range_begin = [&](int w2) { return (int)((int64_t)n * w2 / NW); };  // warp w2's items: [rb(w2), rb(w2 + 1))
+  const int u0 = range_begin(warp), u1 = range_begin(warp + 1);
   const uint8_t* wsrc = wt + (t0 * IPT) * ITEM_W;
   const uint8_t* asrc = at + (t0 * IPT) * ITEM_A;
   const uint32_t wbar = BARS + warp * S * 8;
   if (lane == 0) {
     for (int s = 0; s < S; ++s) mbar_init(wbar + 8 * s, 1);
-    for (int s = 0; s < S && u0 + s < u1; ++s)
-      fetch_item(slot_addr(warp * S + s), wsrc + (u0 + s) * ITEM_W, asrc + (u0 + s) * ITEM_A, wbar + 8 * s);
+    for (int s = 0; s < S && u0 + s * G < u1; ++s)
+      fetch_items<G>(slot_addr<G>(warp * S + s), wsrc + (int64_t)(u0 + s * G) * ITEM_W,
+                     asrc + (int64_t)(u0 + s * G) * ITEM_A, wbar + 8 * s, min(G, u1 - (u0 + s * G)));
   }
   // pair table: entry P = (cb[P & 15], cb[P >> 4]) in T, 32 replicas of 4 bytes: 8 16-byte stores per entry
   for (int i = threadIdx.x; i < 256 * 8; i += NW * 32) {
     const int P = i >> 3;
-    const uint32_t w = Mma<T>::pack(__ldg(codebook + (P & 15)), __ldg(codebook + (P >> 4)));
+    const uint32_t w = Mma<T>::pack(table_value(__ldg(codebook + (P & 15)), Fold<T>::ON),
+                                    table_value(__ldg(codebook + (P >> 4)), Fold<T>::ON));
     *reinterpret_cast<uint4*>(win + TABLE + 256 * P + 16 * (i & 7)) = make_uint4(w, w, w, w);
   }
   __syncthreads();
   const float sc = scale[0];
   const uint32_t cl = 0x0100u | ((uint32_t)lane << 2);
-  // token 8 nt + g in this lane's B column (tokens past M: zeros)
-  const T* xg[NT];
-  bool xon[NT];
+  // token 8 nt + g in this lane's B column: its elements 8 q .. 8 q + 7 of each 32-element block, as 16-byte words.
+  // Tokens past M read token M - 1: their output columns are never stored, so no loads are predicated or zeroed.
+  // As 32-bit indices of 16-byte words from x (a launch has M <= 32 tokens and in < 2^30: they fit).
+  const uint4* x16 = reinterpret_cast<const uint4*>(x);
+  uint32_t xo[NT];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    xon[nt] = 8 * nt + g < M;
-    xg[nt] = x + (int64_t)(xon[nt] ? 8 * nt + g : 0) * in + 8 * q;
-  }
+  for (int nt = 0; nt < NT; ++nt) xo[nt] = (uint32_t)min(8 * nt + g, M - 1) * (uint32_t)(in / 8) + q;
   // tile boundaries of this warp's range: the first tile's partial waits in accf until every warp is done
-  const int64_t tf = u0 < u1 ? u0 / IPT : -1, tl = u0 < u1 ? (u1 - 1) / IPT : -1;
+  const int tf = u0 < u1 ? u0 / IPT : -1, tl = u0 < u1 ? (u1 - 1) / IPT : -1;
   float acc[NT][4], accf[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[nt][i] = accf[nt][i] = 0.f;
-  int64_t cur = tf;
-  for (int64_t u = u0; u < u1; ++u) {
-    const int64_t t = u / IPT;
-    const int v = (int)(u - t * IPT);
-    if (t != cur) {  // the previous tile is done: keep the first one, store a middle one
+  // the walk: tile cur, item v inside it; ring slot s with its mbarrier phase, item sub of the slot's G; the first
+  // item of the next group to fetch
+  int cur = tf, v = u0 - tf * IPT, unext = u0 + S * G;
+  uint32_t s = 0, phase = 0, sub = 0;
+  const uint8_t* wnext = wsrc + (int64_t)unext * ITEM_W;
+  const uint8_t* anext = asrc + (int64_t)unext * ITEM_A;
+  for (int u = u0; u < u1; ++u, ++v) {
+    if (v == IPT) {  // the previous tile is done: keep the first one, store a middle one
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         if (cur == tf) {
@@ -183,12 +219,14 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
       }
-      cur = t;
+      ++cur;
+      v = 0;
     }
-    // activations: elements 256 v + 32 kb + 8 q .. + 7 of block kb of the item, per token tile
-    auto load_x = [&](int nt, int kb) {
-      return xon[nt] ? __ldg(reinterpret_cast<const uint4*>(xg[nt] + 256 * v + 32 * kb)) : make_uint4(0u, 0u, 0u, 0u);
-    };
+    // activations of block kb of the item (elements 256 v + 32 kb + 8 q .. + 7), per token tile
+    const uint4* xi[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) xi[nt] = x16 + (xo[nt] + 32u * v);
+    auto load_x = [&](int nt, int kb) { return __ldg(xi[nt] + 4 * kb); };
     uint4 xv1[NT == 1 ? 8 : 1], xn[NT > 1 ? NT : 1];  // NT = 1: all 8 blocks; NT > 1: the next block
     if constexpr (NT == 1) {
 #pragma unroll
@@ -197,18 +235,27 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) xn[nt] = load_x(nt, 0);
     }
-    const uint32_t k = (uint32_t)(u - u0), s = k % S;
-    mbar_wait(wbar + 8 * s, (k / S) & 1u);
-    const uint32_t sl = slot_addr(warp * S + s);
+    const uint32_t bar = wbar + 8 * s, sl = slot_addr<G>(warp * S + s);
+    if (sub == 0) mbar_wait(bar, phase);
+    const uint32_t iw = sl + sub * ITEM_W, ia = sl + G * ITEM_W + sub * ITEM_A;  // this item's weights, scales
     uint4 wv[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) wv[i] = lds128_at(sl + (i >> 1) * 1024 + lane * 32 + (i & 1) * 16);
-    const uint32_t a0 = lds_at(sl + ITEM_W + g * 4), a1 = lds_at(sl + ITEM_W + (g + 8) * 4);
-    const uint32_t a2 = lds_at(sl + ITEM_W + 64 + g * 4), a3 = lds_at(sl + ITEM_W + 64 + (g + 8) * 4);
-    // every lane has read the slot: refill it (generic-proxy reads before the async-proxy write)
-    fence_proxy_async();
-    __syncwarp();
-    if (lane == 0 && u + S < u1) fetch_item(sl, wsrc + (u + S) * ITEM_W, asrc + (u + S) * ITEM_A, wbar + 8 * s);
+    for (int i = 0; i < 4; ++i) wv[i] = lds128_at(iw + (i >> 1) * 1024 + lane * 32 + (i & 1) * 16);
+    const uint32_t a0 = lds_at(ia + g * 4), a1 = lds_at(ia + (g + 8) * 4);
+    const uint32_t a2 = lds_at(ia + 64 + g * 4), a3 = lds_at(ia + 64 + (g + 8) * 4);
+    if (++sub == G) {  // every lane has read the slot: refill it (generic-proxy reads before the async-proxy write)
+      sub = 0;
+      fence_proxy_async();
+      __syncwarp();
+      if (lane == 0 && unext < u1) fetch_items<G>(sl, wnext, anext, bar, min(G, u1 - unext));
+      unext += G;
+      wnext += G * ITEM_W;
+      anext += G * ITEM_A;
+      if (++s == S) {
+        s = 0;
+        phase ^= 1u;
+      }
+    }
     const uint32_t w[16] = {wv[0].x, wv[0].y, wv[0].z, wv[0].w, wv[1].x, wv[1].y, wv[1].z, wv[1].w,
                             wv[2].x, wv[2].y, wv[2].z, wv[2].w, wv[3].x, wv[3].y, wv[3].z, wv[3].w};
 #pragma unroll
@@ -220,7 +267,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int j = 0; j < 4; ++j) A[h][j] = lds_at(prmt(w[2 * kb + h], cl, 0x6504u | (uint32_t)j << 4));
-      const float s0 = e4m4_decode_fast((sg >> (8 * bb)) & 0xFFu), s1 = e4m4_decode_fast((sh >> (8 * bb)) & 0xFFu);
+      const float s0 = block_scale<T>((sg >> (8 * bb)) & 0xFFu), s1 = block_scale<T>((sh >> (8 * bb)) & 0xFFu);
       uint4 xc[NT > 1 ? NT : 1];
       if constexpr (NT > 1) {
 #pragma unroll
@@ -415,18 +462,18 @@ __global__ void dequant_tiled_kernel(const uint8_t* __restrict__ wt, const uint8
 bool tiled_shape(int64_t out, int64_t in) { return out > 0 && in > 0 && out % 16 == 0 && in % 256 == 0 && in < (1 << 30); }
 
 // One instantiation's launch (its dynamic shared-memory limit is raised once per device).
-template <typename T, int NW, int S, int NT>
+template <typename T, int NW, int S, int G, int NT>
 int gemv_tiled_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                   const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
   static bool attr_set[64] = {};  // current_device_sms: dev < 64
-  const int dyn = (int)smem_end(NW * S);
+  const int dyn = (int)smem_end<G>(NW * S);
   if (!attr_set[dev]) {
     const cudaError_t e =
-        cudaFuncSetAttribute(gemv_tiled_kernel<T, NW, S, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
+        cudaFuncSetAttribute(gemv_tiled_kernel<T, NW, S, G, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
     if (e != cudaSuccess) return (int)e;
     attr_set[dev] = true;
   }
-  gemv_tiled_kernel<T, NW, S, NT><<<(unsigned)sms, NW * 32, dyn, st>>>(x, M, wt, at, scale, cb, bias, out, (int)in, y);
+  gemv_tiled_kernel<T, NW, S, G, NT><<<(unsigned)sms, NW * 32, dyn, st>>>(x, M, wt, at, scale, cb, bias, out, (int)in, y);
   return (int)cudaGetLastError();
 }
 
@@ -441,9 +488,32 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
   if (!current_device_sms(dev, sms) || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != 0)
     return (int)cudaErrorInvalidDevice;
   if (major < 9) return (int)cudaErrorNotSupported;
-  if (M <= 8) return gemv_tiled_go<T, 16, 1, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-  if (M <= 16) return gemv_tiled_go<T, 16, 1, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-  if (M <= 32) return gemv_tiled_go<T, 8, 1, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+#ifdef KBIT_TILED_SWEEP  // experiment builds only: KBIT_TILED_CFG=<warps>x<slots>x<items per slot> for M <= 8
+  static const int cfg = [] {
+    const char* e = getenv("KBIT_TILED_CFG");
+    if (!e) return 160101;
+    const char* e2 = strchr(e, 'x') + 1;
+    return atoi(e) * 10000 + atoi(e2) * 100 + atoi(strchr(e2, 'x') + 1);
+  }();
+#define KBIT_CASE(NW, S, G) \
+  case NW * 10000 + S * 100 + G: return gemv_tiled_go<T, NW, S, G, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  if (M <= 8) switch (cfg) {
+      KBIT_CASE(8, 2, 1)
+      KBIT_CASE(16, 1, 2)
+      KBIT_CASE(8, 1, 2)
+      KBIT_CASE(8, 2, 2)
+      KBIT_CASE(8, 1, 4)
+      KBIT_CASE(4, 1, 8)
+      KBIT_CASE(4, 2, 4)
+      KBIT_CASE(16, 1, 4)
+      KBIT_CASE(12, 1, 2)
+      default: break;
+    }
+#undef KBIT_CASE
+#endif
+  if (M <= 8) return gemv_tiled_go<T, 16, 1, 1, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  if (M <= 16) return gemv_tiled_go<T, 16, 1, 1, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  if (M <= 32) return gemv_tiled_go<T, 8, 1, 1, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
   for (int m0 = 0; m0 < M; m0 += 32) {
     const int rc = gemv_tiled_launch<T>(x + m0 * in, M - m0 < 32 ? M - m0 : 32, wt, at, scale, cb, bias, out, in,
                                         y + m0 * out, st);

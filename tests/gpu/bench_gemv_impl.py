@@ -1,5 +1,6 @@
 """Time the fused GEMV alone (CUDA-graph method of `python -m kbit_hf.bench kernels`) for one library or decode
-configuration, so that two can be compared from separate processes in the same device session: the library by
+configuration, so that two can be compared from separate processes in the same device session (K = 4 weights in the
+layout KbitLinear holds them, tiled where eligible, unless --planes): the library by
 KBIT_CUDA_LIB, the decode mode by KBIT_GEMV_CFG (see csrc/kbit_gemv.cu, launch()), e.g.
 
     KBIT_CUDA_LIB=old/libkbit_cuda.so python tests/gpu/bench_gemv_impl.py --tag old --json old.json
@@ -25,6 +26,8 @@ def main():
     ap.add_argument("--bf16", action="store_true", help="also time bf16 cuBLAS (torch.mm)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--check", action="store_true", help="first check outputs against a float64 reference")
+    ap.add_argument("--planes", action="store_true",
+                    help="time the bit planes even where KbitLinear would hold the weight tiled (format.tile)")
     ap.add_argument("--compare", nargs="+", default=None, help="print a side-by-side table of JSON files and exit")
     a = ap.parse_args()
     if a.compare:
@@ -98,6 +101,8 @@ def main():
             p0, a0, s0, cb = _kbit_weights(out_f, in_f, k)
             kbytes = p0.numel() * 4 + a0.numel()
             copies = [(p0, a0)] + [(p0.clone(), a0.clone()) for _ in range(_n_copies(kbytes) - 1)]
+            if not a.planes and cuda.holds_tiled(out_f, in_f, k, "e4m4", torch.device("cuda")):
+                copies = [cuda.tile(c[0], c[1], in_f) for c in copies]  # the layout KbitLinear holds
             for M in (int(v) for v in a.m.split(",")):
                 x = torch.randn(M, in_f, device="cuda", dtype=torch.bfloat16)
                 y = torch.empty(M, out_f, device="cuda", dtype=torch.bfloat16)

@@ -83,6 +83,32 @@ def test_gemv_tiled(shape, dtype, M):
         assert torch.equal(out, y)
 
 
+@pytest.mark.parametrize("x_scale", (2.0**-30, 2.0**-12, 2.0**12), ids=str)
+@pytest.mark.parametrize("M", (1, 9, 20))
+def test_gemv_tiled_activation_range(x_scale, M):
+    """Very small and large bf16 activations (bf16 moves the block-scale decode into the table's 2^32 and the store's
+    2^84: kbit_tiled.cu, Fold), on a weight whose rows 0..15 have only subnormal e4m4 block scales. (fp16 decodes
+    each scale as the other kernels do; its outputs for these rows would be fp16 subnormals.)"""
+    if not _sm90():
+        pytest.skip("the tiled GEMV is sm_90")
+    dtype = torch.bfloat16
+    cuda = _cuda()
+    out_f, in_f = 272, 768
+    g = torch.Generator().manual_seed(M)
+    w = torch.randn(out_f, in_f, generator=g)
+    w[:16] *= 1e-5
+    cb = fmt.nf0_codebook(4)
+    p, a, s = reference.quantize(w, cb, 4, "e4m4")
+    assert (a[:16].int() < 16).all() and (a[16:].int() >= 16).all()  # rows 0..15: every block scale subnormal
+    x = (torch.randn(M, in_f, generator=g) * x_scale).to(dtype)
+    ref, mag = _ref_linear64(x, p, a, s, cb, 4, in_f, None)
+    wt, at = cuda.tile(p.cuda(), a.cuda(), in_f)
+    y = cuda.linear(x.cuda(), wt, at, s.cuda(), cb.cuda(), 4, in_f)
+    _assert_linear_close(y, ref, mag, dtype, rel_w=GEMV_REL_W[dtype])
+    # the small rows on their own scale: their outputs are about 1e-5 of the others'
+    _assert_linear_close(y[:, :16], ref[:, :16], mag[:, :16], dtype, rel_w=GEMV_REL_W[dtype])
+
+
 def test_tiled_cuda_graph_capture():
     if not _sm90():
         pytest.skip("the tiled GEMV is sm_90")
