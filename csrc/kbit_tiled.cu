@@ -118,6 +118,18 @@ __device__ __forceinline__ float block_scale(uint32_t code) {
   return Fold<T>::ON ? __uint_as_float(code << 19) : e4m4_decode_fast(code);
 }
 
+#ifdef KBIT_TILED_SWEEP  // experiment builds only: a per-warp timeline of the GEMV's last launch (kbit_tiled_timeline)
+__device__ unsigned long long g_timeline[256 * 32 * 6];  // [CTA][warp][stamp], %globaltimer ns
+__device__ __forceinline__ void stamp(int lane, int warp, int i) {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  if (lane == 0 && blockIdx.x < 256 && warp < 32) g_timeline[(blockIdx.x * 32 + warp) * 6 + i] = t;
+}
+#define KBIT_STAMP(i) stamp(lane, warp, i)
+#else
+#define KBIT_STAMP(i)
+#endif
+
 // one tile's 16 x 8 fragment of token tile nt (this lane's 4 values) times the tensor scale, plus bias, into y
 template <typename T>
 __device__ __forceinline__ void store_tile(T* y, const T* bias, int64_t out, int M, int64_t t, int nt, int lane,
@@ -160,6 +172,12 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   // uniform registers (no per-lane loop around each copy)
   const int lane = threadIdx.x & 31, warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
   const int g = lane >> 2, q = lane & 3;
+  KBIT_STAMP(0);
+  // Start-up, each wait a round trip to L2, overlapped: this lane's codebook entry (the table is built from it by
+  // shuffles) and the tensor scale are loaded first, then the ring's first fetches are issued and the first item's
+  // activations prefetched into L1, then the table is built.
+  const float cb_lane = __ldg(codebook + (lane & 15));
+  const float sc = __ldg(scale);
   const int64_t T_ = out / 16;
   const int IPT = in / 256;  // items per tile
   const int64_t t0 = T_ * blockIdx.x / gridDim.x, t1 = T_ * (blockIdx.x + 1) / gridDim.x;
@@ -176,16 +194,6 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       fetch_items<G>(slot_addr<G>(warp * S + s), wsrc + (int64_t)(u0 + s * G) * ITEM_W,
                      asrc + (int64_t)(u0 + s * G) * ITEM_A, wbar + 8 * s, min(G, u1 - (u0 + s * G)));
   }
-  // pair table: entry P = (cb[P & 15], cb[P >> 4]) in T, 32 replicas of 4 bytes: 8 16-byte stores per entry
-  for (int i = threadIdx.x; i < 256 * 8; i += NW * 32) {
-    const int P = i >> 3;
-    const uint32_t w = Mma<T>::pack(table_value(__ldg(codebook + (P & 15)), Fold<T>::ON),
-                                    table_value(__ldg(codebook + (P >> 4)), Fold<T>::ON));
-    *reinterpret_cast<uint4*>(win + TABLE + 256 * P + 16 * (i & 7)) = make_uint4(w, w, w, w);
-  }
-  __syncthreads();
-  const float sc = scale[0];
-  const uint32_t cl = 0x0100u | ((uint32_t)lane << 2);
   // token 8 nt + g in this lane's B column: its elements 8 q .. 8 q + 7 of each 32-element block, as 16-byte words.
   // Tokens past M read token M - 1: their output columns are never stored, so no loads are predicated or zeroed.
   // As 32-bit indices of 16-byte words from x (a launch has M <= 32 tokens and in < 2^30: they fit).
@@ -195,6 +203,24 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   for (int nt = 0; nt < NT; ++nt) xo[nt] = (uint32_t)min(8 * nt + g, M - 1) * (uint32_t)(in / 8) + q;
   // tile boundaries of this warp's range: the first tile's partial waits in accf until every warp is done
   const int tf = u0 < u1 ? u0 / IPT : -1, tl = u0 < u1 ? (u1 - 1) / IPT : -1;
+  if (u0 < u1) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int kb = 0; kb < 8; ++kb)
+        asm volatile("prefetch.global.L1 [%0];" ::"l"(x16 + xo[nt] + 32u * (u0 - tf * IPT) + 4 * kb));
+  }
+  // pair table: entry P = (cb[P & 15], cb[P >> 4]) in T, 32 replicas of 4 bytes: 8 16-byte stores per entry (a
+  // whole number of rounds for every thread: the shuffles need the full warp)
+  for (int i0 = 0; i0 < 256 * 8; i0 += NW * 32) {
+    const int i = i0 + threadIdx.x, P = (i >> 3) & 255;
+    const uint32_t w = Mma<T>::pack(table_value(__shfl_sync(0xFFFFFFFFu, cb_lane, P & 15), Fold<T>::ON),
+                                    table_value(__shfl_sync(0xFFFFFFFFu, cb_lane, P >> 4), Fold<T>::ON));
+    if (i < 256 * 8) *reinterpret_cast<uint4*>(win + TABLE + 256 * P + 16 * (i & 7)) = make_uint4(w, w, w, w);
+  }
+  __syncthreads();
+  KBIT_STAMP(1);
+  const uint32_t cl = 0x0100u | ((uint32_t)lane << 2);
   float acc[NT][4], accf[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
@@ -237,6 +263,9 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
     }
     const uint32_t bar = wbar + 8 * s, sl = slot_addr<G>(warp * S + s);
     if (sub == 0) mbar_wait(bar, phase);
+#ifdef KBIT_TILED_SWEEP
+    if (u == u0) KBIT_STAMP(2);
+#endif
     const uint32_t iw = sl + sub * ITEM_W, ia = sl + G * ITEM_W + sub * ITEM_A;  // this item's weights, scales
     uint4 wv[4];
 #pragma unroll
@@ -289,6 +318,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       }
     }
   }
+  KBIT_STAMP(3);
   if (u0 < u1 && cur == tf) {  // a range inside one tile: its only tile is its first
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -309,6 +339,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       }
   }
   __syncthreads();
+  KBIT_STAMP(4);
   // boundary tiles: warp w stores the tiles it is the first warp to touch (its first tile unless an earlier warp's
   // range ends in it, and its last tile when that is not its first), summed over the warps touching them in warp
   // order; a later warp can touch such a tile only as its first tile
@@ -342,6 +373,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       store_tile<T>(y, bias, out, M, t0 + t, nt, lane, sc, vv);
     }
   }
+  KBIT_STAMP(5);
 }
 
 // bit planes [out][in / 8] + e4m4 absmax [out][in / 32] -> tiled: one thread per 4-byte word of tiled weights (and,
@@ -558,6 +590,12 @@ KBIT_API int kbit_dequantize_tiled(const void* wt, const void* at, const float* 
   }
   return (int)cudaGetLastError();
 }
+
+#ifdef KBIT_TILED_SWEEP
+KBIT_API int kbit_tiled_timeline(unsigned long long* host, int n) {
+  return (int)cudaMemcpyFromSymbol(host, g_timeline, sizeof(unsigned long long) * (n < 256 * 32 * 6 ? n : 256 * 32 * 6));
+}
+#endif
 
 KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at, const float* scale,
                              const float* codebook, int64_t out, int64_t in, const void* bias, void* y, void* stream) {
