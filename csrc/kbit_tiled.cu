@@ -41,15 +41,19 @@ constexpr uint32_t RING = 0x20000;   // the other ring slots
 constexpr uint32_t ITEM_W = 2048, ITEM_A = 128, ITEM = ITEM_W + ITEM_A;
 // A ring slot holds G consecutive items (one bulk copy of their weights, one of their scales): G * 2 KB of weights,
 // then G * 128 B of scales. Window address of slot i (warp * S + s), and the end of the window that nslots need.
-template <int G>
-__host__ __device__ constexpr uint32_t slot_addr(uint32_t i) {
-  constexpr uint32_t SLOT = G * ITEM, NLOW = (TABLE - LOW) / SLOT;
-  return i < NLOW ? LOW + i * SLOT : RING + (i - NLOW) * SLOT;
+template <uint32_t SB>  // slots of SB bytes: as many as fit below the table, the rest from RING
+__host__ __device__ constexpr uint32_t ring_addr(uint32_t i) {
+  constexpr uint32_t NLOW = (TABLE - LOW) / SB;
+  return i < NLOW ? LOW + i * SB : RING + (i - NLOW) * SB;
+}
+template <uint32_t SB>
+__host__ __device__ constexpr uint32_t ring_end(uint32_t nslots) {
+  return nslots <= (TABLE - LOW) / SB ? RING : ring_addr<SB>(nslots);
 }
 template <int G>
-__host__ __device__ constexpr uint32_t smem_end(uint32_t nslots) {
-  return nslots <= (TABLE - LOW) / (G * ITEM) ? RING : slot_addr<G>(nslots);
-}
+__host__ __device__ constexpr uint32_t slot_addr(uint32_t i) { return ring_addr<G * ITEM>(i); }
+template <int G>
+__host__ __device__ constexpr uint32_t smem_end(uint32_t nslots) { return ring_end<G * ITEM>(nslots); }
 
 __device__ __forceinline__ uint32_t lds_at(uint32_t addr) {
   uint32_t v;
@@ -101,6 +105,34 @@ __device__ __forceinline__ void fetch_items(uint32_t slot, const uint8_t* w, con
 #endif
 }
 
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+#if KBIT_SM90
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+#endif
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+#if KBIT_SM90
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+#if KBIT_SM90
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+#endif
+}
+// 16 bytes global -> shared (cp.async, L2 only), and an arrival on bar once this thread's earlier ones have landed
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+#if KBIT_SM90
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+#if KBIT_SM90
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+#endif
+}
+
 // bf16 only: the pair table holds the codebook times 2^32 and the block scales enter the sums as their raw bits
 // (code << 19 read as a float is 2^-116 times the e4m4 value), so the hot loop spends no multiply on decoding them;
 // store_tile multiplies by 2^84 once. With 2^32 in the table the products stay normal floats for activations down to
@@ -133,15 +165,15 @@ __device__ __forceinline__ void stamp(int lane, int warp, int i) {
 // one tile's 16 x 8 fragment of token tile nt (this lane's 4 values) times the tensor scale, plus bias, into y
 template <typename T>
 __device__ __forceinline__ void store_tile(T* y, const T* bias, int64_t out, int M, int64_t t, int nt, int lane,
-                                           float sc, const float (&v)[4]) {
-  constexpr float UNFOLD = Fold<T>::ON ? 0x1p84f : 1.f;  // 2^(116 - 32): see Fold
+                                           float sc, const float (&v)[4], float post = Fold<T>::ON ? 0x1p84f : 1.f) {
+  // post: the power of two the sums still carry (Fold: 2^(116 - 32); Scaled)
   const int g = lane >> 2, q = lane & 3;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int m = 8 * nt + 2 * q + (i & 1);
     const int64_t o = 16 * t + g + 8 * (i >> 1);
     if (m < M) {
-      float r = (v[i] * UNFOLD) * sc;  // the first product is exact
+      float r = (v[i] * post) * sc;  // the first product is exact
       if (bias != nullptr) r += Cvt<T>::to_f(bias[o]);
       y[(int64_t)m * out + o] = Cvt<T>::from_f(r);
     }
@@ -376,6 +408,153 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   KBIT_STAMP(5);
 }
 
+// Scaled A operands (the batched kernel below): the block scale multiplies the looked-up pair (one paired multiply
+// per A register) and the MMAs accumulate straight into the tile's sums, so each weight carries one more rounding
+// (cb * scale in T, as in the dequantize + cuBLAS path). bf16: the table's cb * 2^32 times the scale's raw bits
+// (2^-116 times its value: code * 0x00080008 is the pair of bf16 bit patterns) is w * 2^-84, a normal bf16 for every
+// nonzero code; the store multiplies by 2^84. fp16: cb * 16 times 16 * scale (w * 256, inside fp16's range for
+// |cb| <= 1 and scales <= 31); the store multiplies by 2^-8.
+template <typename T> struct Scaled;
+template <> struct Scaled<__nv_bfloat16> {
+  static constexpr float TABLE_SCALE = 0x1p32f, POST = 0x1p84f;
+  __device__ static __forceinline__ uint32_t pair(uint32_t code) { return code * 0x00080008u; }
+};
+template <> struct Scaled<__half> {
+  static constexpr float TABLE_SCALE = 16.f, POST = 0x1p-8f;
+  __device__ static __forceinline__ uint32_t pair(uint32_t code) {
+    const float s = e4m4_decode_fast(code) * 16.f;
+    return Mma<__half>::pack(s, s);
+  }
+};
+
+// Batched decode on layers of many tiles (gemv_tiled_batch_kernel; docs/kernels.md, "Tiled layout"). In
+// gemv_tiled_kernel each warp loads each item's activations itself (NT 16-byte loads per lane and block) at its own
+// k: at M = 32..64 that is 8..16 times the weight bytes per item, from L2. Here the warps walk k in lockstep: per
+// step v, one producer warp fills a stage of the shared ring with columns 256 v .. 256 v + 255 of every token (cp.async,
+// 16 bytes a lane, rows of 576 bytes: 512 + 64 keep the consumers' 16-byte reads conflict-free) and item v of each
+// active tile (bulk copies); NW consumer warps each own one tile for the whole k range (rounds of NW tiles) and read
+// the shared activations. No partial sums cross warps: each warp stores its tile. A stage: [NT * 8 token rows]
+// [NW items' weights] [NW items' scales]; full barrier: the producer's expect_tx arrival and its 32 lanes' cp.async
+// arrivals; empty barrier: the NW consumer warps.
+template <typename T, int NW, int XS, int NT>
+__global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(const T* __restrict__ x, int M,
+                                                                              const uint8_t* __restrict__ wt,
+                                                                              const uint8_t* __restrict__ at,
+                                                                              const float* __restrict__ scale,
+                                                                              const float* __restrict__ codebook,
+                                                                              const T* __restrict__ bias, int64_t out,
+                                                                              int in, T* __restrict__ y) {
+#if !KBIT_SM90
+  __trap();  // sm_90 only: the launcher refuses other devices
+#endif
+  constexpr uint32_t XROW = 576, XB = NT * 8 * XROW, STAGE = XB + NW * ITEM;
+  constexpr uint32_t FULL = BARS, EMPTY = BARS + 8 * XS;
+  static_assert(BARS + 16 * XS <= LOW, "shared-memory map");
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
+  unsigned char* win = smem - base;
+  uint32_t dsz;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsz));
+  if (base > BARS || base + dsz < ring_end<STAGE>(XS)) __trap();
+  const int lane = threadIdx.x & 31, warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
+  const int g = lane >> 2, q = lane & 3;
+  const float cb_lane = __ldg(codebook + (lane & 15));
+  const float sc = __ldg(scale);
+  const int64_t T_ = out / 16;
+  const int IPT = in / 256;
+  const int64_t t0 = T_ * blockIdx.x / gridDim.x, t1 = T_ * (blockIdx.x + 1) / gridDim.x;
+  const int ntc = (int)(t1 - t0), rounds = (ntc + NW - 1) / NW;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < XS; ++s) {
+      mbar_init(FULL + 8 * s, 33);
+      mbar_init(EMPTY + 8 * s, NW);
+    }
+  }
+  for (int i0 = 0; i0 < 256 * 8; i0 += (NW + 1) * 32) {  // the pair table, as in gemv_tiled_kernel
+    const int i = i0 + threadIdx.x, P = (i >> 3) & 255;
+    const uint32_t w = Mma<T>::pack(__shfl_sync(0xFFFFFFFFu, cb_lane, P & 15) * Scaled<T>::TABLE_SCALE,
+                                    __shfl_sync(0xFFFFFFFFu, cb_lane, P >> 4) * Scaled<T>::TABLE_SCALE);
+    if (i < 256 * 8) *reinterpret_cast<uint4*>(win + TABLE + 256 * P + 16 * (i & 7)) = make_uint4(w, w, w, w);
+  }
+  __syncthreads();
+  const int steps = rounds * IPT;
+  if (warp == NW) {  // the producer
+    const uint8_t* xb = reinterpret_cast<const uint8_t*>(x) + 16 * lane;
+    int r = 0, v = 0;
+    for (int j = 0; j < steps; ++j) {
+      const uint32_t s = j % XS, st = ring_addr<STAGE>(s);
+      if (j >= XS) mbar_wait(EMPTY + 8 * s, (j / XS - 1) & 1);
+      fence_proxy_async();  // the consumers' reads of this stage before the bulk copies' writes
+      const int na = min(NW, ntc - r * NW);
+      if (lane == 0) mbar_expect_tx(FULL + 8 * s, na * ITEM);
+      __syncwarp();
+      for (int m = 0; m < M; ++m) cp_async16(st + m * XROW + 16 * lane, xb + ((int64_t)m * in + 256 * v) * sizeof(T));
+      cp_async_arrive(FULL + 8 * s);
+      if (lane < na) {
+        const int64_t item = (t0 + r * NW + lane) * IPT + v;
+        bulk_copy(st + XB + lane * ITEM_W, wt + item * ITEM_W, ITEM_W, FULL + 8 * s);
+        bulk_copy(st + XB + NW * ITEM_W + lane * ITEM_A, at + item * ITEM_A, ITEM_A, FULL + 8 * s);
+      }
+      if (++v == IPT) {
+        v = 0;
+        ++r;
+      }
+    }
+    return;
+  }
+  const uint32_t cl = 0x0100u | ((uint32_t)lane << 2);
+  int j = 0;
+  for (int r = 0; r < rounds; ++r) {
+    const bool active = r * NW + warp < ntc;
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
+    for (int v = 0; v < IPT; ++v, ++j) {
+      const uint32_t s = j % XS, st = ring_addr<STAGE>(s);
+      mbar_wait(FULL + 8 * s, (j / XS) & 1);
+      if (active) {
+        const uint32_t iw = st + XB + warp * ITEM_W, ia = st + XB + NW * ITEM_W + warp * ITEM_A;
+        uint4 wv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wv[i] = lds128_at(iw + (i >> 1) * 1024 + lane * 32 + (i & 1) * 16);
+        const uint32_t sa[4] = {lds_at(ia + g * 4), lds_at(ia + (g + 8) * 4), lds_at(ia + 64 + g * 4),
+                                lds_at(ia + 64 + (g + 8) * 4)};
+        const uint32_t w[16] = {wv[0].x, wv[0].y, wv[0].z, wv[0].w, wv[1].x, wv[1].y, wv[1].z, wv[1].w,
+                                wv[2].x, wv[2].y, wv[2].z, wv[2].w, wv[3].x, wv[3].y, wv[3].z, wv[3].w};
+#pragma unroll
+        for (int kb = 0; kb < 8; ++kb) {  // block kb of the item: chunk kb / 4, block kb % 4
+          const int bb = kb & 3;
+          const uint32_t p0 = Scaled<T>::pair((sa[kb < 4 ? 0 : 2] >> (8 * bb)) & 0xFFu);  // rows g
+          const uint32_t p1 = Scaled<T>::pair((sa[kb < 4 ? 1 : 3] >> (8 * bb)) & 0xFFu);  // rows g + 8
+          uint32_t A[2][4];
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj)
+              A[h][jj] = Mma<T>::mul2(lds_at(prmt(w[2 * kb + h], cl, 0x6504u | (uint32_t)jj << 4)), jj & 1 ? p1 : p0);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            if (8 * nt < M) {
+              const uint4 xv = lds128_at(st + (8 * nt + g) * XROW + kb * 64 + q * 16);
+              Mma<T>::run(acc[nt], A[0][0], A[0][1], A[0][2], A[0][3], xv.x, xv.y);
+              Mma<T>::run(acc[nt], A[1][0], A[1][1], A[1][2], A[1][3], xv.z, xv.w);
+            }
+          }
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(EMPTY + 8 * s);
+    }
+    if (active) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        if (8 * nt < M) store_tile<T>(y, bias, out, M, t0 + r * NW + warp, nt, lane, sc, acc[nt], Scaled<T>::POST);
+    }
+  }
+}
+
 // bit planes [out][in / 8] + e4m4 absmax [out][in / 32] -> tiled: one thread per 4-byte word of tiled weights (and,
 // for l = h = 0, the 16 scales of its (tile, chunk, block))
 __global__ void tile_kernel(const uint32_t* __restrict__ packed, const uint8_t* __restrict__ absmax, int64_t out,
@@ -509,6 +688,24 @@ int gemv_tiled_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const
   return (int)cudaGetLastError();
 }
 
+// The batched kernel's launch: NW consumer warps and a producer warp, XS stages.
+template <typename T, int NW, int XS, int NT>
+int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
+                        const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
+  static bool attr_set[64] = {};
+  constexpr uint32_t STAGE = NT * 8 * 576 + NW * ITEM;
+  const int dyn = (int)ring_end<STAGE>(XS);
+  if (!attr_set[dev]) {
+    const cudaError_t e = cudaFuncSetAttribute(gemv_tiled_batch_kernel<T, NW, XS, NT>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
+    if (e != cudaSuccess) return (int)e;
+    attr_set[dev] = true;
+  }
+  gemv_tiled_batch_kernel<T, NW, XS, NT><<<(unsigned)sms, (NW + 1) * 32, dyn, st>>>(x, M, wt, at, scale, cb, bias, out,
+                                                                                  (int)in, y);
+  return (int)cudaGetLastError();
+}
+
 // The one (warps, slots) per token-tile count, from the H100 sweep of docs/kernels.md ("Tiled layout"): 16 warps
 // with one slot each for M <= 16, 8 warps for M <= 32 (their accumulators need the registers). More tokens run in
 // launches of 32: each warp reads its activations per item from L1/L2 (8 NT 16-byte loads per lane and 2 KB of
@@ -542,6 +739,17 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
       default: break;
     }
 #undef KBIT_CASE
+#endif
+#ifdef KBIT_TILED_SWEEP
+  static const int batch_min = [] {  // KBIT_TILED_BATCH=<tiles per SM>x<smallest M>: when the batched kernel runs
+    const char* e = getenv("KBIT_TILED_BATCH");
+    return e ? atoi(e) * 100 + atoi(strchr(e, 'x') + 1) : 400 + 17;
+  }();
+  if (out / 16 >= (int64_t)(batch_min / 100) * sms && M >= batch_min % 100) {
+    if (M <= 16) return gemv_tiled_batch_go<T, 8, 4, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+    if (M <= 32) return gemv_tiled_batch_go<T, 8, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+    return gemv_tiled_batch_go<T, 8, 2, 8>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  }
 #endif
   if (M <= 8) return gemv_tiled_go<T, 16, 1, 1, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
   if (M <= 16) return gemv_tiled_go<T, 16, 1, 1, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
