@@ -50,10 +50,12 @@ KBIT_API int kbit_untile(const void* wt, const void* at, int64_t out, int64_t in
 KBIT_API int kbit_dequantize_tiled(const void* wt, const void* at, const float* scale, const float* codebook,
                                    int64_t out, int64_t in, void* y, int y_dtype, void* stream);
 /* fused GEMV over the tiled layout, 1 <= M <= 64, x/bias/y float16 or bfloat16; sm_90 only (cudaErrorNotSupported
- * on other devices). */
+ * on other devices). kernel: KBIT_TILED_AUTO (the library's choice), or KBIT_TILED_RANGE / KBIT_TILED_BATCH to force
+ * the per-warp-range or the batched (M > 8) kernel (tests). */
+enum { KBIT_TILED_AUTO = 0, KBIT_TILED_RANGE = 1, KBIT_TILED_BATCH = 2 };
 KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at,
                              const float* scale, const float* codebook, int64_t out, int64_t in, const void* bias,
-                             void* y, void* stream);
+                             void* y, int kernel, void* stream);
 
 #ifdef __cplusplus
 }

@@ -255,7 +255,7 @@ int dequant_k(int k, const uint32_t* packed, const void* absmax, int fp16, const
 
 extern "C" {
 
-int kbit_abi_version(void) { return 3; }  // 2: kbit_gemv takes M <= 64; 3: the tiled layout (kbit_tiled.cu)
+int kbit_abi_version(void) { return 4; }  // 2: kbit_gemv takes M <= 64; 3: the tiled layout; 4: kbit_gemv_tiled kernel
 
 const char* kbit_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
 

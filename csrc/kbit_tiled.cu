@@ -23,10 +23,6 @@
 #include "kbit_common.cuh"
 
 #include <cuda_runtime.h>
-#ifdef KBIT_TILED_SWEEP
-#include <cstdlib>
-#include <cstring>
-#endif
 
 using namespace kbit;
 
@@ -39,8 +35,7 @@ constexpr uint32_t TABLE = 0x10000;  // the pair table (256 rows of 256 bytes, 1
                                      // boundary partials [NW][2][NT][32 lanes][4] floats
 constexpr uint32_t RING = 0x20000;   // the other ring slots
 constexpr uint32_t ITEM_W = 2048, ITEM_A = 128, ITEM = ITEM_W + ITEM_A;
-// A ring slot holds G consecutive items (one bulk copy of their weights, one of their scales): G * 2 KB of weights,
-// then G * 128 B of scales. Window address of slot i (warp * S + s), and the end of the window that nslots need.
+// Window address of ring slot i of SB bytes, and the end of the window that nslots need.
 template <uint32_t SB>  // slots of SB bytes: as many as fit below the table, the rest from RING
 __host__ __device__ constexpr uint32_t ring_addr(uint32_t i) {
   constexpr uint32_t NLOW = (TABLE - LOW) / SB;
@@ -50,10 +45,7 @@ template <uint32_t SB>
 __host__ __device__ constexpr uint32_t ring_end(uint32_t nslots) {
   return nslots <= (TABLE - LOW) / SB ? RING : ring_addr<SB>(nslots);
 }
-template <int G>
-__host__ __device__ constexpr uint32_t slot_addr(uint32_t i) { return ring_addr<G * ITEM>(i); }
-template <int G>
-__host__ __device__ constexpr uint32_t smem_end(uint32_t nslots) { return ring_end<G * ITEM>(nslots); }
+
 
 __device__ __forceinline__ uint32_t lds_at(uint32_t addr) {
   uint32_t v;
@@ -92,18 +84,6 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
-// nitems <= G consecutive items (weights + scales) into a ring slot of G items, completing on its mbarrier (one lane)
-template <int G>
-__device__ __forceinline__ void fetch_items(uint32_t slot, const uint8_t* w, const uint8_t* a, uint32_t bar,
-                                            uint32_t nitems) {
-#if KBIT_SM90
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(nitems * ITEM) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(slot), "l"(w), "r"(nitems * ITEM_W), "r"(bar) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(slot + G * ITEM_W), "l"(a), "r"(nitems * ITEM_A), "r"(bar) : "memory");
-#endif
-}
 
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 #if KBIT_SM90
@@ -120,6 +100,12 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 #endif
+}
+// one item (weights, then scales) into a ring slot, completing on its mbarrier (one lane)
+__device__ __forceinline__ void fetch_item(uint32_t slot, const uint8_t* w, const uint8_t* a, uint32_t bar) {
+  mbar_expect_tx(bar, ITEM);
+  bulk_copy(slot, w, ITEM_W, bar);
+  bulk_copy(slot + ITEM_W, a, ITEM_A, bar);
 }
 // 16 bytes global -> shared (cp.async, L2 only), and an arrival on bar once this thread's earlier ones have landed
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
@@ -150,7 +136,7 @@ __device__ __forceinline__ float block_scale(uint32_t code) {
   return Fold<T>::ON ? __uint_as_float(code << 19) : e4m4_decode_fast(code);
 }
 
-#ifdef KBIT_TILED_SWEEP  // experiment builds only: a per-warp timeline of the GEMV's last launch (kbit_tiled_timeline)
+#ifdef KBIT_TILED_TIMELINE  // experiment builds only: a per-warp timeline of the GEMV's last launch (kbit_tiled_timeline)
 __device__ unsigned long long g_timeline[256 * 32 * 6];  // [CTA][warp][stamp], %globaltimer ns
 __device__ __forceinline__ void stamp(int lane, int warp, int i) {
   unsigned long long t;
@@ -182,7 +168,7 @@ __device__ __forceinline__ void store_tile(T* y, const T* bias, int64_t out, int
 
 // NT tiles of 8 tokens (M <= 8 NT). NT = 1 loads an item's activations before waiting for its weights; NT > 1 loads
 // one block's ahead (fewer registers): the first block's before the wait, block kb + 1's while kb computes.
-template <typename T, int NW, int S, int G, int NT>
+template <typename T, int NW, int S, int NT>
 __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restrict__ x, int M,
                                                                  const uint8_t* __restrict__ wt,
                                                                  const uint8_t* __restrict__ at,
@@ -199,7 +185,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   static_assert(BARS + NW * S * 8 <= LOW && NW * 2 * NT * 512 <= RING - TABLE, "shared-memory map");
   uint32_t dsz;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsz));
-  if (base > BARS || base + dsz < smem_end<G>(NW * S)) __trap();
+  if (base > BARS || base + dsz < ring_end<ITEM>(NW * S)) __trap();
   // the warp index through a shuffle: the compiler then knows it is warp-uniform and keeps the bulk-copy operands in
   // uniform registers (no per-lane loop around each copy)
   const int lane = threadIdx.x & 31, warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
@@ -222,9 +208,9 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   const uint32_t wbar = BARS + warp * S * 8;
   if (lane == 0) {
     for (int s = 0; s < S; ++s) mbar_init(wbar + 8 * s, 1);
-    for (int s = 0; s < S && u0 + s * G < u1; ++s)
-      fetch_items<G>(slot_addr<G>(warp * S + s), wsrc + (int64_t)(u0 + s * G) * ITEM_W,
-                     asrc + (int64_t)(u0 + s * G) * ITEM_A, wbar + 8 * s, min(G, u1 - (u0 + s * G)));
+    for (int s = 0; s < S && u0 + s < u1; ++s)
+      fetch_item(ring_addr<ITEM>(warp * S + s), wsrc + (int64_t)(u0 + s) * ITEM_W, asrc + (int64_t)(u0 + s) * ITEM_A,
+                 wbar + 8 * s);
   }
   // token 8 nt + g in this lane's B column: its elements 8 q .. 8 q + 7 of each 32-element block, as 16-byte words.
   // Tokens past M read token M - 1: their output columns are never stored, so no loads are predicated or zeroed.
@@ -258,10 +244,9 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[nt][i] = accf[nt][i] = 0.f;
-  // the walk: tile cur, item v inside it; ring slot s with its mbarrier phase, item sub of the slot's G; the first
-  // item of the next group to fetch
-  int cur = tf, v = u0 - tf * IPT, unext = u0 + S * G;
-  uint32_t s = 0, phase = 0, sub = 0;
+  // the walk: tile cur, item v inside it; ring slot s with its mbarrier phase; the next item to fetch
+  int cur = tf, v = u0 - tf * IPT, unext = u0 + S;
+  uint32_t s = 0, phase = 0;
   const uint8_t* wnext = wsrc + (int64_t)unext * ITEM_W;
   const uint8_t* anext = asrc + (int64_t)unext * ITEM_A;
   for (int u = u0; u < u1; ++u, ++v) {
@@ -293,29 +278,26 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) xn[nt] = load_x(nt, 0);
     }
-    const uint32_t bar = wbar + 8 * s, sl = slot_addr<G>(warp * S + s);
-    if (sub == 0) mbar_wait(bar, phase);
-#ifdef KBIT_TILED_SWEEP
+    const uint32_t bar = wbar + 8 * s, sl = ring_addr<ITEM>(warp * S + s);
+    mbar_wait(bar, phase);
+#ifdef KBIT_TILED_TIMELINE
     if (u == u0) KBIT_STAMP(2);
 #endif
-    const uint32_t iw = sl + sub * ITEM_W, ia = sl + G * ITEM_W + sub * ITEM_A;  // this item's weights, scales
     uint4 wv[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) wv[i] = lds128_at(iw + (i >> 1) * 1024 + lane * 32 + (i & 1) * 16);
-    const uint32_t a0 = lds_at(ia + g * 4), a1 = lds_at(ia + (g + 8) * 4);
-    const uint32_t a2 = lds_at(ia + 64 + g * 4), a3 = lds_at(ia + 64 + (g + 8) * 4);
-    if (++sub == G) {  // every lane has read the slot: refill it (generic-proxy reads before the async-proxy write)
-      sub = 0;
-      fence_proxy_async();
-      __syncwarp();
-      if (lane == 0 && unext < u1) fetch_items<G>(sl, wnext, anext, bar, min(G, u1 - unext));
-      unext += G;
-      wnext += G * ITEM_W;
-      anext += G * ITEM_A;
-      if (++s == S) {
-        s = 0;
-        phase ^= 1u;
-      }
+    for (int i = 0; i < 4; ++i) wv[i] = lds128_at(sl + (i >> 1) * 1024 + lane * 32 + (i & 1) * 16);
+    const uint32_t a0 = lds_at(sl + ITEM_W + g * 4), a1 = lds_at(sl + ITEM_W + (g + 8) * 4);
+    const uint32_t a2 = lds_at(sl + ITEM_W + 64 + g * 4), a3 = lds_at(sl + ITEM_W + 64 + (g + 8) * 4);
+    // every lane has read the slot: refill it (generic-proxy reads before the async-proxy write)
+    fence_proxy_async();
+    __syncwarp();
+    if (lane == 0 && unext < u1) fetch_item(sl, wnext, anext, bar);
+    ++unext;
+    wnext += ITEM_W;
+    anext += ITEM_A;
+    if (++s == S) {
+      s = 0;
+      phase ^= 1u;
     }
     const uint32_t w[16] = {wv[0].x, wv[0].y, wv[0].z, wv[0].w, wv[1].x, wv[1].y, wv[1].z, wv[1].w,
                             wv[2].x, wv[2].y, wv[2].z, wv[2].w, wv[3].x, wv[3].y, wv[3].z, wv[3].w};
@@ -673,18 +655,18 @@ __global__ void dequant_tiled_kernel(const uint8_t* __restrict__ wt, const uint8
 bool tiled_shape(int64_t out, int64_t in) { return out > 0 && in > 0 && out % 16 == 0 && in % 256 == 0 && in < (1 << 30); }
 
 // One instantiation's launch (its dynamic shared-memory limit is raised once per device).
-template <typename T, int NW, int S, int G, int NT>
+template <typename T, int NW, int S, int NT>
 int gemv_tiled_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                   const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
   static bool attr_set[64] = {};  // current_device_sms: dev < 64
-  const int dyn = (int)smem_end<G>(NW * S);
+  const int dyn = (int)ring_end<ITEM>(NW * S);
   if (!attr_set[dev]) {
     const cudaError_t e =
-        cudaFuncSetAttribute(gemv_tiled_kernel<T, NW, S, G, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
+        cudaFuncSetAttribute(gemv_tiled_kernel<T, NW, S, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
     if (e != cudaSuccess) return (int)e;
     attr_set[dev] = true;
   }
-  gemv_tiled_kernel<T, NW, S, G, NT><<<(unsigned)sms, NW * 32, dyn, st>>>(x, M, wt, at, scale, cb, bias, out, (int)in, y);
+  gemv_tiled_kernel<T, NW, S, NT><<<(unsigned)sms, NW * 32, dyn, st>>>(x, M, wt, at, scale, cb, bias, out, (int)in, y);
   return (int)cudaGetLastError();
 }
 
@@ -706,57 +688,33 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
   return (int)cudaGetLastError();
 }
 
-// The one (warps, slots) per token-tile count, from the H100 sweep of docs/kernels.md ("Tiled layout"): 16 warps
-// with one slot each for M <= 16, 8 warps for M <= 32 (their accumulators need the registers). More tokens run in
-// launches of 32: each warp reads its activations per item from L1/L2 (8 NT 16-byte loads per lane and 2 KB of
-// weights), and at 8 token tiles that traffic made a single launch 2x slower than two.
+// Which kernel, by the H100 measurements of docs/kernels.md ("Tiled layout"). M <= 8: gemv_tiled_kernel, 16 warps of
+// one slot each (at steady state its reads run at the copy bandwidth). M = 9..64: the batched kernel where the CTAs
+// have tiles to give their warps (>= 2 per SM; a layer of 1..2 tiles per SM gains only at M > 40): 1.2-2.6x the
+// range kernel there. Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their accumulators need the
+// registers), and launches of 32 tokens above.
+// kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE / KBIT_TILED_BATCH to force one (tests).
 template <typename T>
 int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
-                      const T* bias, int64_t out, int64_t in, T* y, cudaStream_t st) {
+                      const T* bias, int64_t out, int64_t in, T* y, int kernel, cudaStream_t st) {
   int dev = 0, sms = 0, major = 0;
   if (!current_device_sms(dev, sms) || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != 0)
     return (int)cudaErrorInvalidDevice;
   if (major < 9) return (int)cudaErrorNotSupported;
-#ifdef KBIT_TILED_SWEEP  // experiment builds only: KBIT_TILED_CFG=<warps>x<slots>x<items per slot> for M <= 8
-  static const int cfg = [] {
-    const char* e = getenv("KBIT_TILED_CFG");
-    if (!e) return 160101;
-    const char* e2 = strchr(e, 'x') + 1;
-    return atoi(e) * 10000 + atoi(e2) * 100 + atoi(strchr(e2, 'x') + 1);
-  }();
-#define KBIT_CASE(NW, S, G) \
-  case NW * 10000 + S * 100 + G: return gemv_tiled_go<T, NW, S, G, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-  if (M <= 8) switch (cfg) {
-      KBIT_CASE(8, 2, 1)
-      KBIT_CASE(16, 1, 2)
-      KBIT_CASE(8, 1, 2)
-      KBIT_CASE(8, 2, 2)
-      KBIT_CASE(8, 1, 4)
-      KBIT_CASE(4, 1, 8)
-      KBIT_CASE(4, 2, 4)
-      KBIT_CASE(16, 1, 4)
-      KBIT_CASE(12, 1, 2)
-      default: break;
-    }
-#undef KBIT_CASE
-#endif
-#ifdef KBIT_TILED_SWEEP
-  static const int batch_min = [] {  // KBIT_TILED_BATCH=<tiles per SM>x<smallest M>: when the batched kernel runs
-    const char* e = getenv("KBIT_TILED_BATCH");
-    return e ? atoi(e) * 100 + atoi(strchr(e, 'x') + 1) : 400 + 17;
-  }();
-  if (out / 16 >= (int64_t)(batch_min / 100) * sms && M >= batch_min % 100) {
+  const int64_t tiles = out / 16;
+  const bool batch = kernel == KBIT_TILED_BATCH ||
+                     (kernel == KBIT_TILED_AUTO && M > 8 && (tiles >= 2 * sms || (M > 40 && tiles >= sms)));
+  if (batch) {
     if (M <= 16) return gemv_tiled_batch_go<T, 8, 4, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
     if (M <= 32) return gemv_tiled_batch_go<T, 8, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
     return gemv_tiled_batch_go<T, 8, 2, 8>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
   }
-#endif
-  if (M <= 8) return gemv_tiled_go<T, 16, 1, 1, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-  if (M <= 16) return gemv_tiled_go<T, 16, 1, 1, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-  if (M <= 32) return gemv_tiled_go<T, 8, 1, 1, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  if (M <= 8) return gemv_tiled_go<T, 16, 1, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  if (M <= 16) return gemv_tiled_go<T, 16, 1, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  if (M <= 32) return gemv_tiled_go<T, 8, 1, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
   for (int m0 = 0; m0 < M; m0 += 32) {
     const int rc = gemv_tiled_launch<T>(x + m0 * in, M - m0 < 32 ? M - m0 : 32, wt, at, scale, cb, bias, out, in,
-                                        y + m0 * out, st);
+                                        y + m0 * out, KBIT_TILED_RANGE, st);
     if (rc != 0) return rc;
   }
   return 0;
@@ -799,23 +757,25 @@ KBIT_API int kbit_dequantize_tiled(const void* wt, const void* at, const float* 
   return (int)cudaGetLastError();
 }
 
-#ifdef KBIT_TILED_SWEEP
+#ifdef KBIT_TILED_TIMELINE
 KBIT_API int kbit_tiled_timeline(unsigned long long* host, int n) {
   return (int)cudaMemcpyFromSymbol(host, g_timeline, sizeof(unsigned long long) * (n < 256 * 32 * 6 ? n : 256 * 32 * 6));
 }
 #endif
 
 KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at, const float* scale,
-                             const float* codebook, int64_t out, int64_t in, const void* bias, void* y, void* stream) {
-  if (!tiled_shape(out, in) || M < 1 || M > 64) return (int)cudaErrorInvalidValue;
+                             const float* codebook, int64_t out, int64_t in, const void* bias, void* y, int kernel,
+                             void* stream) {
+  if (!tiled_shape(out, in) || M < 1 || M > 64 || kernel < KBIT_TILED_AUTO || kernel > KBIT_TILED_BATCH)
+    return (int)cudaErrorInvalidValue;
   cudaStream_t st = (cudaStream_t)stream;
   const uint8_t *w = (const uint8_t*)wt, *a = (const uint8_t*)at;
   if (x_dtype == BF16)
     return gemv_tiled_launch<__nv_bfloat16>((const __nv_bfloat16*)x, (int)M, w, a, scale, codebook,
-                                            (const __nv_bfloat16*)bias, out, in, (__nv_bfloat16*)y, st);
+                                            (const __nv_bfloat16*)bias, out, in, (__nv_bfloat16*)y, kernel, st);
   if (x_dtype == F16)
     return gemv_tiled_launch<__half>((const __half*)x, (int)M, w, a, scale, codebook, (const __half*)bias, out, in,
-                                     (__half*)y, st);
+                                     (__half*)y, kernel, st);
   return (int)cudaErrorInvalidValue;
 }
 

@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 GEMV_MAX_M = 64  # the fused dequant-GEMV handles up to this many activation rows; more -> dequantize + cuBLAS
-_ABI_VERSION = 3  # csrc/kbit_quant.cu kbit_abi_version(); 2: kbit_gemv takes M <= 64; 3: the tiled layout
+_ABI_VERSION = 4  # csrc/kbit_quant.cu kbit_abi_version(); 2: kbit_gemv takes M <= 64; 3: the tiled layout; 4: kernel arg
 # expert GEMV (one kernel, each row reads its expert's weights) up to this many rows; more -> per-expert matmuls
 # after one host sync. A MoE prefill of 64 tokens x top-8 is 512 rows: the per-expert loop launches several kernels
 # for each expert present and is launch-bound there, while re-reading an expert's weights per row mostly hits L2.
@@ -93,7 +93,7 @@ def _load():
             "kbit_tile": [vp, vp, i64, i64, vp, vp, vp],
             "kbit_untile": [vp, vp, i64, i64, vp, vp, vp],
             "kbit_dequantize_tiled": [vp, vp, vp, vp, i64, i64, vp, i32, vp],
-            "kbit_gemv_tiled": [vp, i32, i64, vp, vp, vp, vp, i64, i64, vp, vp, vp],
+            "kbit_gemv_tiled": [vp, i32, i64, vp, vp, vp, vp, i64, i64, vp, vp, i32, vp],
         }.items():
             fn = getattr(lib, name)
             fn.restype = i32
@@ -348,6 +348,8 @@ def linear_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
 
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
+# which tiled GEMV kernel runs (csrc/kbit_api.h): 0 the library's choice; tests set 1 (per-warp ranges) or 2 (batched)
+tiled_kernel = 0
 
 
 def _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y, dev):
@@ -355,7 +357,7 @@ def _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bia
     if packed.dtype == torch.uint8:  # the tiled layout (format.tile)
         return _lib.kbit_gemv_tiled(x.data_ptr(), _DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
                                     scale.data_ptr(), codebook.data_ptr(), out_f, in_features,
-                                    0 if bias is None else bias.data_ptr(), y.data_ptr(), _stream(dev))
+                                    0 if bias is None else bias.data_ptr(), y.data_ptr(), tiled_kernel, _stream(dev))
     return _lib.kbit_gemv(x.data_ptr(), _DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
                           1 if absmax.dtype == torch.float16 else 0, scale.data_ptr(), codebook.data_ptr(), k, out_f,
                           in_features, 0 if bias is None else bias.data_ptr(), y.data_ptr(), _stream(dev))

@@ -49,11 +49,14 @@ def main():
             cuda.dequantize(wt, at, s, cb, 4, shape[1], odt)
             n += 1
         if cuda.tiled_supported(torch.device("cuda")):
-            for xdt in (torch.bfloat16, torch.float16):
-                for M in (1, 8, 9, 17, 33, 64):
-                    x = torch.randn(M, shape[1], device="cuda", dtype=xdt)
-                    cuda.linear(x, wt, at, s, cb, 4, shape[1], torch.randn(shape[0], device="cuda", dtype=xdt))
-                    n += 1
+            for kernel in (1, 2):  # the per-warp-range and the batched kernel (csrc/kbit_api.h)
+                cuda.tiled_kernel = kernel
+                for xdt in (torch.bfloat16, torch.float16):
+                    for M in (1, 8, 9, 17, 33, 64):
+                        x = torch.randn(M, shape[1], device="cuda", dtype=xdt)
+                        cuda.linear(x, wt, at, s, cb, 4, shape[1], torch.randn(shape[0], device="cuda", dtype=xdt))
+                        n += 1
+            cuda.tiled_kernel = 0
     torch.cuda.synchronize()
     print(f"sanitize_driver: {n} kernel calls OK")
 

@@ -56,12 +56,21 @@ def test_dequantize_tiled_is_bitwise_the_bit_plane_kernel(shape, dtype):
     assert torch.equal(torch.ops.kbit.dequantize(wt, at, s, cb, 4, shape[1], dtype), got)
 
 
+@pytest.fixture(params=("auto", "range", "batch"))
+def tiled_kernel(request, monkeypatch):
+    """The tiled GEMV kernel: the library's choice, or forced (csrc/kbit_api.h, kbit_gemv_tiled)."""
+    monkeypatch.setattr(_cuda(), "tiled_kernel", {"auto": 0, "range": 1, "batch": 2}[request.param])
+    return request.param
+
+
 @pytest.mark.parametrize("shape", TILED_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
-@pytest.mark.parametrize("M", (1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65))
-def test_gemv_tiled(shape, dtype, M):
+@pytest.mark.parametrize("M", (1, 2, 5, 8, 9, 16, 17, 32, 33, 40, 64, 65))
+def test_gemv_tiled(shape, dtype, M, tiled_kernel):
     if not _sm90():
         pytest.skip("the tiled GEMV is sm_90")
+    if M == 65 and tiled_kernel != "auto":
+        pytest.skip("M = 65 is the dequantize + cuBLAS path")
     cuda = _cuda()
     out_f, in_f = shape
     cb = fmt.nf0_codebook(4)
@@ -84,11 +93,11 @@ def test_gemv_tiled(shape, dtype, M):
 
 
 @pytest.mark.parametrize("x_scale", (2.0**-30, 2.0**-12, 2.0**12), ids=str)
-@pytest.mark.parametrize("M", (1, 9, 20))
-def test_gemv_tiled_activation_range(x_scale, M):
-    """Very small and large bf16 activations (bf16 moves the block-scale decode into the table's 2^32 and the store's
-    2^84: kbit_tiled.cu, Fold), on a weight whose rows 0..15 have only subnormal e4m4 block scales. (fp16 decodes
-    each scale as the other kernels do; its outputs for these rows would be fp16 subnormals.)"""
+@pytest.mark.parametrize("M", (1, 9, 20, 64))
+def test_gemv_tiled_activation_range(x_scale, M, tiled_kernel):
+    """Very small and large bf16 activations (bf16 carries the block scales as raw bits against a table scaled by
+    2^32: kbit_tiled.cu, Fold and Scaled), on a weight whose rows 0..15 have only subnormal e4m4 block scales. (fp16
+    decodes each scale as the other kernels do; its outputs for these rows would be fp16 subnormals.)"""
     if not _sm90():
         pytest.skip("the tiled GEMV is sm_90")
     dtype = torch.bfloat16

@@ -1,9 +1,9 @@
-"""Per-warp timeline of the tiled GEMV (experiment builds only: csrc/kbit_tiled.cu compiled with -DKBIT_TILED_SWEEP
-records %globaltimer stamps per CTA and warp; KBIT_CUDA_LIB names that library). For each shape, runs the GEMV eagerly
+"""Per-warp timeline of the tiled GEMV at M = 1 (experiment builds only: csrc/kbit_tiled.cu compiled with
+-DKBIT_TILED_TIMELINE records %globaltimer stamps per CTA and warp; KBIT_CUDA_LIB names that library). For each shape, runs the GEMV eagerly
 over rotating weight copies (no L2 reuse) and prints, in microseconds from the first CTA's start: when CTAs start,
 when the pair table is ready, when each warp's first item arrived, when warps leave the main loop, and the end.
 
-    KBIT_CUDA_LIB=.../libkbit_cuda.so KBIT_TILED_CFG=16x1x1 python tests/gpu/timeline_tiled.py 14336x4096 28672x8192
+    KBIT_CUDA_LIB=.../libkbit_cuda.so python tests/gpu/timeline_tiled.py 14336x4096 28672x8192
 """
 
 import ctypes
