@@ -1,5 +1,5 @@
 // kbit_tiled.cu: the tiled layout of large K = 4 Linear weights on sm_90 (kbit_hf/format.py, "The tiled layout"):
-// the conversions from and to the bit planes, the fused GEMV over it (M = 1..64) and its dequantize.
+// the conversions from and to the bit planes, two fused GEMVs over it (M = 1..64) and its dequantize.
 //
 // Layout (out % 16 == 0, in % 256 == 0; T = out / 16 tiles, C = in / 128 chunks per row): a byte permutation of the
 // bit planes and the e4m4 block scales. 1 KB of weights per (tile t, chunk c): byte ((t * C + c) * 32 + l) * 32 +
@@ -10,7 +10,8 @@
 // (t, c): byte ((t * C + c) * 16 + r) * 4 + b = block 4 c + b of row 16 t + r. Each k slice of an MMA lies inside
 // one block of each row, so the block scale multiplies the MMA's partial sums in fp32 (4 FFMA per block and lane).
 //
-// GEMV (gemv_tiled_kernel; docs/kernels.md, "Tiled layout"): one persistent CTA of NW warps per SM owns whole tiles
+// GEMV by warp ranges (gemv_tiled_kernel, M <= 8 and layers of few tiles; docs/kernels.md, "Tiled layout"): one
+// persistent CTA of NW warps per SM owns whole tiles
 // (an even split of the tiles over the grid). Its items (2 chunks: 2 KB of weights + 128 B of scales, contiguous in
 // the layout) are split into NW contiguous ranges, one per warp, so each warp streams one contiguous byte range
 // through its own ring of S shared-memory slots, filled by bulk asynchronous copies (cp.async.bulk, one mbarrier per
@@ -19,6 +20,7 @@
 // (4 * lane | 0x0100) is the whole address of a conflict-free lookup. NT tiles of 8 tokens share each looked-up A
 // operand. Tiles inside a warp's range are stored by that warp; the first and last tile of each range go through
 // shared memory (the table's space, after the loop) and are summed in warp order: deterministic, no atomics.
+// The batched GEMV (gemv_tiled_batch_kernel, M = 9..64 on layers of many tiles) has its own comment below.
 #include "kbit_api.h"
 #include "kbit_common.cuh"
 
@@ -35,8 +37,9 @@ constexpr uint32_t TABLE = 0x10000;  // the pair table (256 rows of 256 bytes, 1
                                      // boundary partials [NW][2][NT][32 lanes][4] floats
 constexpr uint32_t RING = 0x20000;   // the other ring slots
 constexpr uint32_t ITEM_W = 2048, ITEM_A = 128, ITEM = ITEM_W + ITEM_A;
-// Window address of ring slot i of SB bytes, and the end of the window that nslots need.
-template <uint32_t SB>  // slots of SB bytes: as many as fit below the table, the rest from RING
+// Window address of ring slot i of SB bytes (as many slots as fit below the table, the rest from RING), and the end
+// of the window that nslots need.
+template <uint32_t SB>
 __host__ __device__ constexpr uint32_t ring_addr(uint32_t i) {
   constexpr uint32_t NLOW = (TABLE - LOW) / SB;
   return i < NLOW ? LOW + i * SB : RING + (i - NLOW) * SB;
@@ -45,7 +48,6 @@ template <uint32_t SB>
 __host__ __device__ constexpr uint32_t ring_end(uint32_t nslots) {
   return nslots <= (TABLE - LOW) / SB ? RING : ring_addr<SB>(nslots);
 }
-
 
 __device__ __forceinline__ uint32_t lds_at(uint32_t addr) {
   uint32_t v;
@@ -107,12 +109,13 @@ __device__ __forceinline__ void fetch_item(uint32_t slot, const uint8_t* w, cons
   bulk_copy(slot, w, ITEM_W, bar);
   bulk_copy(slot + ITEM_W, a, ITEM_A, bar);
 }
-// 16 bytes global -> shared (cp.async, L2 only), and an arrival on bar once this thread's earlier ones have landed
+// 16 bytes global -> shared (cp.async, L2 only)
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
 #if KBIT_SM90
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 #endif
 }
+// an arrival on bar once this thread's earlier cp.async copies have landed (counted in bar's expected arrivals)
 __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
 #if KBIT_SM90
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
@@ -121,9 +124,10 @@ __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
 
 // bf16 only: the pair table holds the codebook times 2^32 and the block scales enter the sums as their raw bits
 // (code << 19 read as a float is 2^-116 times the e4m4 value), so the hot loop spends no multiply on decoding them;
-// store_tile multiplies by 2^84 once. With 2^32 in the table the products stay normal floats for activations down to
-// about 2^-24 times the smallest scale, and the MMA sums stay finite for activations below 2^90. (fp16 cannot hold
-// the scaled codebook: it decodes each scale.)
+// store_tile multiplies by 2^84 once. A block's product is then 2^-84 times its share of the output over the tensor
+// scale: a normal float unless that share is below 2^-42 (a subnormal then, off by at most 2^-65 times the tensor
+// scale), and the MMA sums stay finite for activations below about 2^90. (fp16 cannot hold the scaled codebook: it
+// decodes each scale.)
 template <typename T> struct Fold {
   static constexpr bool ON = false;
 };
