@@ -694,8 +694,8 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
 
 // Which kernel, by the H100 measurements of docs/kernels.md ("Tiled layout"). M <= 8: gemv_tiled_kernel, 16 warps of
 // one slot each (at steady state its reads run at the copy bandwidth). M = 9..64: the batched kernel where the CTAs
-// have tiles to give their warps (>= 2 per SM; a layer of 1..2 tiles per SM gains only at M > 40): 1.2-2.6x the
-// range kernel there. Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their accumulators need the
+// have tiles to give their warps (>= 2 per SM; a layer of 1..2 tiles per SM gains only at M > 40): up to 2.6x the
+// range kernel there (0.96x only on 28672x8192 at M = 9). Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their accumulators need the
 // registers), and launches of 32 tokens above.
 // kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE / KBIT_TILED_BATCH to force one (tests).
 template <typename T>
