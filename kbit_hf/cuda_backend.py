@@ -337,8 +337,12 @@ def linear_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
     """Fused dequant-GEMV into `out` [M, out_features]: x [M, in] contiguous fp16/bf16, 1 <= M <= 64, bias None or
     x's dtype. No allocation, no synchronisation (CUDA-graph safe). A tiled weight needs an sm_90 device."""
     dev = x.device
-    if fmt.is_tiled(packed) and not tiled_supported(dev):
-        raise RuntimeError(f"the tiled GEMV needs an sm_90 GPU; {dev} is not one (format.untile the weight)")
+    if fmt.is_tiled(packed):
+        if not tiled_supported(dev):
+            raise RuntimeError(f"the tiled GEMV needs an sm_90 GPU; {dev} is not one (format.untile the weight)")
+        if x.data_ptr() & 15:
+            raise ValueError("the tiled GEMV reads x in 16-byte words: x must start at a 16-byte aligned address "
+                             f"(its storage offset is {x.storage_offset()} elements); pass an aligned copy")
     _absmax_fp16(absmax)  # validates the scale dtype
     with _on_device(dev):
         rc = _gemv_call(x, x.shape[0], packed, absmax, scale, _cb(codebook, dev, k), k, packed.shape[0], in_features,
@@ -385,6 +389,8 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
                 _check_shapes(packed, absmax, scale, k, in_features)
             if not x.is_contiguous():
                 x = x.contiguous()
+            if tiled and x.data_ptr() & 15:  # the tiled GEMVs read x in 16-byte words: an aligned copy
+                x = x.clone()
             if not (packed.is_contiguous() and absmax.is_contiguous()):
                 packed, absmax = packed.contiguous(), absmax.contiguous()
             if not codebook.is_cuda or codebook.dtype != torch.float32:

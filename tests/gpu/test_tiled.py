@@ -118,6 +118,25 @@ def test_gemv_tiled_activation_range(x_scale, M, tiled_kernel):
     _assert_linear_close(y[:, :16], ref[:, :16], mag[:, :16], dtype, rel_w=GEMV_REL_W[dtype])
 
 
+@pytest.mark.parametrize("M", (1, 20))
+def test_gemv_tiled_unaligned_activations(M):
+    """x starting 2 elements into its storage (contiguous, not 16-byte aligned): linear computes on an aligned copy,
+    linear_out (no allocation) refuses it with an error that names the problem."""
+    if not _sm90():
+        pytest.skip("the tiled GEMV is sm_90")
+    cuda = _cuda()
+    out_f, in_f = 272, 768
+    p, a, s = _quantized((out_f, in_f))
+    cb = fmt.nf0_codebook(4)
+    wt, at = cuda.tile(p.cuda(), a.cuda(), in_f)
+    x = torch.randn(M * in_f + 2, device="cuda", dtype=torch.bfloat16)[2:].view(M, in_f)
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0
+    y = cuda.linear(x, wt, at, s.cuda(), cb.cuda(), 4, in_f)
+    assert torch.equal(y, cuda.linear(x.clone(), wt, at, s.cuda(), cb.cuda(), 4, in_f))
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        cuda.linear_out(x, wt, at, s.cuda(), cb.cuda(), 4, in_f, None, torch.empty_like(y))
+
+
 def test_tiled_cuda_graph_capture():
     if not _sm90():
         pytest.skip("the tiled GEMV is sm_90")
