@@ -108,6 +108,22 @@ class KbitLinear(nn.Linear):
         if self.is_tiled:
             self.weight, self.weight_absmax = (_frozen(t) for t in self._bit_planes())
 
+    def _apply(self, fn, recurse=True):
+        # A move between devices (.to / .cuda / .cpu) leaves the layout from_pretrained would have chosen there: tiled
+        # where KbitLinear holds this weight tiled, the bit planes elsewhere. Other _apply calls (dtype casts,
+        # share_memory_) keep the layout.
+        before = self.weight.device
+        super()._apply(fn, recurse)
+        after = self.weight.device
+        if after != before and after.type in ("cpu", "cuda"):
+            from . import cuda_backend
+
+            if self.is_tiled and not cuda_backend.tiled_supported(after):
+                self.untile_()
+            elif not self.is_tiled:
+                self.tile_()
+        return self
+
     def _bit_planes(self) -> tuple[torch.Tensor, torch.Tensor]:
         from . import cuda_backend
 

@@ -188,6 +188,26 @@ def test_kbit_linear_tiles_large_layers_on_sm90():
         _assert_linear_close(y, ref, mag, torch.bfloat16, rel_w=GEMV_REL_W[torch.bfloat16])
 
 
+def test_kbit_linear_device_moves_choose_the_layout():
+    """.cpu() untiles, .cuda() tiles where KbitLinear holds the weight tiled (as from_pretrained places it); the
+    bit planes come back unchanged and the outputs stay within the GEMV tolerance of the reference."""
+    layer = _layer(6144, 4096)
+    sd = {n: t.cpu() for n, t in layer.state_dict().items()}  # the bit planes
+    x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
+    ref, mag = _ref_linear64(x.cpu(), sd["weight"], sd["weight_absmax"], sd["weight_scale"], sd["weight_codebook"], 4,
+                             4096, sd["bias"])
+    layer.cpu()
+    assert not layer.is_tiled and torch.equal(layer.weight, sd["weight"])
+    layer.cuda()
+    assert layer.is_tiled == _sm90()
+    _assert_linear_close(layer(x), ref, mag, torch.bfloat16, rel_w=GEMV_REL_W[torch.bfloat16])
+    layer.to(torch.bfloat16)  # a dtype cast keeps the layout
+    assert layer.is_tiled == _sm90()
+    layer.cpu()
+    assert not layer.is_tiled and torch.equal(layer.weight, sd["weight"])
+    assert torch.equal(layer.weight_absmax, sd["weight_absmax"])
+
+
 def test_from_pretrained_tiles_large_layers_and_saves_bit_planes(tmp_path):
     if not _sm90():
         pytest.skip("the tiled GEMV is sm_90")
