@@ -109,13 +109,13 @@ class KbitLinear(nn.Linear):
             self.weight, self.weight_absmax = (_frozen(t) for t in self._bit_planes())
 
     def _apply(self, fn, recurse=True):
-        # A move between devices (.to / .cuda / .cpu) leaves the layout from_pretrained would have chosen there: tiled
-        # where KbitLinear holds this weight tiled, the bit planes elsewhere. Other _apply calls (dtype casts,
-        # share_memory_) keep the layout.
+        # A move of the weights between devices (.to / .cuda / .cpu) leaves the layout from_pretrained would have
+        # chosen there: tiled where KbitLinear holds this weight tiled, the bit planes elsewhere. Other _apply calls
+        # (dtype casts, share_memory_) keep the layout, and so do moves off the meta device (to_empty: no data yet).
         before = self.weight.device
         super()._apply(fn, recurse)
         after = self.weight.device
-        if after != before and after.type in ("cpu", "cuda"):
+        if after != before and before.type in ("cpu", "cuda") and after.type in ("cpu", "cuda"):
             from . import cuda_backend
 
             if self.is_tiled and not cuda_backend.tiled_supported(after):
