@@ -122,25 +122,36 @@ __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
 #endif
 }
 
-// bf16 only: the pair table holds the codebook times 2^32 and the block scales enter the sums as their raw bits
-// (code << 19 read as a float is 2^-116 times the e4m4 value), so the hot loop spends no multiply on decoding them;
-// store_tile multiplies by 2^84 once. A block's product is then 2^-84 times its share of the output over the tensor
-// scale: a normal float unless that share is below 2^-42 (a subnormal then, off by at most 2^-65 times the tensor
-// scale), and the MMA sums stay finite for activations below about 2^90. (fp16 cannot hold the scaled codebook: it
-// decodes each scale.)
-template <typename T> struct Fold {
-  static constexpr bool ON = false;
+// How the block scales enter the two GEMVs, per activation dtype: the factor on the pair table's codebook values, the
+// scale as the hot loop uses it, and the power of two the store takes back out (all exact).
+// - Range kernel (SUM_*): the scale multiplies the MMA's partial sums in fp32. bf16: the table holds cb * 2^32 and
+//   the scale enters as its raw bits (code << 19 read as a float is 2^-116 times the e4m4 value), so the hot loop
+//   spends no multiply on decoding it; the store multiplies by 2^84. A block's product is then 2^-84 times its share
+//   of the output over the tensor scale: a normal float unless that share is below 2^-42 (a subnormal then, off by
+//   at most 2^-65 times the tensor scale), and the MMA sums stay finite for activations below about 2^90. fp16
+//   cannot hold the scaled codebook: it decodes each scale.
+// - Batched kernel (A_*): the scale multiplies the looked-up pair (one paired multiply per A register) and the MMAs
+//   accumulate straight into the tile's sums, so each weight carries one more rounding (cb * scale in T, as in the
+//   dequantize + cuBLAS path). bf16: the same table times the raw bits (code * 0x00080008 is the pair of bf16 bit
+//   patterns) is w * 2^-84, a normal bf16 for every nonzero code. fp16: cb * 16 times 16 * scale (w * 256, inside
+//   fp16's range for |cb| <= 1 and scales <= 31); the store multiplies by 2^-8.
+template <typename T> struct TiledScales;
+template <> struct TiledScales<__nv_bfloat16> {
+  static constexpr float SUM_TABLE = 0x1p32f, SUM_POST = 0x1p84f, A_TABLE = 0x1p32f, A_POST = 0x1p84f;
+  __device__ static __forceinline__ float sum_scale(uint32_t code) { return __uint_as_float(code << 19); }
+  __device__ static __forceinline__ uint32_t a_scale(uint32_t code) { return code * 0x00080008u; }
 };
-template <> struct Fold<__nv_bfloat16> {
-  static constexpr bool ON = true;
+template <> struct TiledScales<__half> {
+  static constexpr float SUM_TABLE = 1.f, SUM_POST = 1.f, A_TABLE = 16.f, A_POST = 0x1p-8f;
+  __device__ static __forceinline__ float sum_scale(uint32_t code) { return e4m4_decode_fast(code); }
+  __device__ static __forceinline__ uint32_t a_scale(uint32_t code) {
+    const float s = e4m4_decode_fast(code) * 16.f;
+    return Mma<__half>::pack(s, s);
+  }
 };
-__device__ __forceinline__ float table_value(float c, bool fold) { return fold ? c * 0x1p32f : c; }
-template <typename T>
-__device__ __forceinline__ float block_scale(uint32_t code) {
-  return Fold<T>::ON ? __uint_as_float(code << 19) : e4m4_decode_fast(code);
-}
 
-#ifdef KBIT_TILED_TIMELINE  // experiment builds only: a per-warp timeline of the GEMV's last launch (kbit_tiled_timeline)
+// experiment builds only: a per-warp timeline of the range GEMV's last launch (kbit_tiled_timeline)
+#ifdef KBIT_TILED_TIMELINE
 __device__ unsigned long long g_timeline[256 * 32 * 6];  // [CTA][warp][stamp], %globaltimer ns
 __device__ __forceinline__ void stamp(int lane, int warp, int i) {
   unsigned long long t;
@@ -155,8 +166,8 @@ __device__ __forceinline__ void stamp(int lane, int warp, int i) {
 // one tile's 16 x 8 fragment of token tile nt (this lane's 4 values) times the tensor scale, plus bias, into y
 template <typename T>
 __device__ __forceinline__ void store_tile(T* y, const T* bias, int64_t out, int M, int64_t t, int nt, int lane,
-                                           float sc, const float (&v)[4], float post = Fold<T>::ON ? 0x1p84f : 1.f) {
-  // post: the power of two the sums still carry (Fold: 2^(116 - 32); Scaled)
+                                           float sc, const float (&v)[4], float post) {
+  // post: the power of two the sums still carry (TiledScales)
   const int g = lane >> 2, q = lane & 3;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -232,12 +243,12 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       for (int kb = 0; kb < 8; ++kb)
         asm volatile("prefetch.global.L1 [%0];" ::"l"(x16 + xo[nt] + 32u * (u0 - tf * IPT) + 4 * kb));
   }
-  // pair table: entry P = (cb[P & 15], cb[P >> 4]) in T, 32 replicas of 4 bytes: 8 16-byte stores per entry (a
-  // whole number of rounds for every thread: the shuffles need the full warp)
+  // pair table: entry P = (cb[P & 15], cb[P >> 4]) * SUM_TABLE in T, 32 replicas of 4 bytes: 8 16-byte stores per
+  // entry (a whole number of rounds for every thread: the shuffles need the full warp)
   for (int i0 = 0; i0 < 256 * 8; i0 += NW * 32) {
     const int i = i0 + threadIdx.x, P = (i >> 3) & 255;
-    const uint32_t w = Mma<T>::pack(table_value(__shfl_sync(0xFFFFFFFFu, cb_lane, P & 15), Fold<T>::ON),
-                                    table_value(__shfl_sync(0xFFFFFFFFu, cb_lane, P >> 4), Fold<T>::ON));
+    const uint32_t w = Mma<T>::pack(__shfl_sync(0xFFFFFFFFu, cb_lane, P & 15) * TiledScales<T>::SUM_TABLE,
+                                    __shfl_sync(0xFFFFFFFFu, cb_lane, P >> 4) * TiledScales<T>::SUM_TABLE);
     if (i < 256 * 8) *reinterpret_cast<uint4*>(win + TABLE + 256 * P + 16 * (i & 7)) = make_uint4(w, w, w, w);
   }
   __syncthreads();
@@ -261,7 +272,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 #pragma unroll
           for (int i = 0; i < 4; ++i) accf[nt][i] = acc[nt][i];
         } else {
-          store_tile<T>(y, bias, out, M, t0 + cur, nt, lane, sc, acc[nt]);
+          store_tile<T>(y, bias, out, M, t0 + cur, nt, lane, sc, acc[nt], TiledScales<T>::SUM_POST);
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
@@ -314,7 +325,8 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int j = 0; j < 4; ++j) A[h][j] = lds_at(prmt(w[2 * kb + h], cl, 0x6504u | (uint32_t)j << 4));
-      const float s0 = block_scale<T>((sg >> (8 * bb)) & 0xFFu), s1 = block_scale<T>((sh >> (8 * bb)) & 0xFFu);
+      const float s0 = TiledScales<T>::sum_scale((sg >> (8 * bb)) & 0xFFu);
+      const float s1 = TiledScales<T>::sum_scale((sh >> (8 * bb)) & 0xFFu);
       uint4 xc[NT > 1 ? NT : 1];
       if constexpr (NT > 1) {
 #pragma unroll
@@ -388,38 +400,19 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 #pragma unroll
         for (int i = 0; i < 4; ++i) vv[i] += *red_at(w2, 0, nt, i);
       }
-      store_tile<T>(y, bias, out, M, t0 + t, nt, lane, sc, vv);
+      store_tile<T>(y, bias, out, M, t0 + t, nt, lane, sc, vv, TiledScales<T>::SUM_POST);
     }
   }
   KBIT_STAMP(5);
 }
 
-// Scaled A operands (the batched kernel below): the block scale multiplies the looked-up pair (one paired multiply
-// per A register) and the MMAs accumulate straight into the tile's sums, so each weight carries one more rounding
-// (cb * scale in T, as in the dequantize + cuBLAS path). bf16: the table's cb * 2^32 times the scale's raw bits
-// (2^-116 times its value: code * 0x00080008 is the pair of bf16 bit patterns) is w * 2^-84, a normal bf16 for every
-// nonzero code; the store multiplies by 2^84. fp16: cb * 16 times 16 * scale (w * 256, inside fp16's range for
-// |cb| <= 1 and scales <= 31); the store multiplies by 2^-8.
-template <typename T> struct Scaled;
-template <> struct Scaled<__nv_bfloat16> {
-  static constexpr float TABLE_SCALE = 0x1p32f, POST = 0x1p84f;
-  __device__ static __forceinline__ uint32_t pair(uint32_t code) { return code * 0x00080008u; }
-};
-template <> struct Scaled<__half> {
-  static constexpr float TABLE_SCALE = 16.f, POST = 0x1p-8f;
-  __device__ static __forceinline__ uint32_t pair(uint32_t code) {
-    const float s = e4m4_decode_fast(code) * 16.f;
-    return Mma<__half>::pack(s, s);
-  }
-};
-
 // Batched decode on layers of many tiles (gemv_tiled_batch_kernel; docs/kernels.md, "Tiled layout"). In
 // gemv_tiled_kernel each warp loads each item's activations itself (NT 16-byte loads per lane and block) at its own
 // k: at M = 32..64 that is 8..16 times the weight bytes per item, from L2. Here the warps walk k in lockstep: per
-// step v, one producer warp fills a stage of the shared ring with columns 256 v .. 256 v + 255 of every token (cp.async,
-// 16 bytes a lane, rows of 576 bytes: 512 + 64 keep the consumers' 16-byte reads conflict-free) and item v of each
-// active tile (bulk copies); NW consumer warps each own one tile for the whole k range (rounds of NW tiles) and read
-// the shared activations. No partial sums cross warps: each warp stores its tile. A stage: [NT * 8 token rows]
+// step v, one producer warp fills a stage of the shared ring with columns 256 v .. 256 v + 255 of every token
+// (cp.async, 16 bytes a lane, rows of 576 bytes: 512 + 64 keep the consumers' 16-byte reads conflict-free) and item
+// v of each active tile (bulk copies); NW consumer warps each own one tile for the whole k range (rounds of NW tiles)
+// and read the shared activations. No partial sums cross warps: each warp stores its tile. A stage: [NT * 8 token rows]
 // [NW items' weights] [NW items' scales]; full barrier: the producer's expect_tx arrival and its 32 lanes' cp.async
 // arrivals; empty barrier: the NW consumer warps.
 template <typename T, int NW, int XS, int NT>
@@ -456,10 +449,12 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
       mbar_init(EMPTY + 8 * s, NW);
     }
   }
-  for (int i0 = 0; i0 < 256 * 8; i0 += (NW + 1) * 32) {  // the pair table, as in gemv_tiled_kernel
+  // the pair table as in gemv_tiled_kernel, times A_TABLE (the same loop through a shared helper compiles this kernel
+  // differently, and its compiled code is what the GPU checks of this session ran)
+  for (int i0 = 0; i0 < 256 * 8; i0 += (NW + 1) * 32) {
     const int i = i0 + threadIdx.x, P = (i >> 3) & 255;
-    const uint32_t w = Mma<T>::pack(__shfl_sync(0xFFFFFFFFu, cb_lane, P & 15) * Scaled<T>::TABLE_SCALE,
-                                    __shfl_sync(0xFFFFFFFFu, cb_lane, P >> 4) * Scaled<T>::TABLE_SCALE);
+    const uint32_t w = Mma<T>::pack(__shfl_sync(0xFFFFFFFFu, cb_lane, P & 15) * TiledScales<T>::A_TABLE,
+                                    __shfl_sync(0xFFFFFFFFu, cb_lane, P >> 4) * TiledScales<T>::A_TABLE);
     if (i < 256 * 8) *reinterpret_cast<uint4*>(win + TABLE + 256 * P + 16 * (i & 7)) = make_uint4(w, w, w, w);
   }
   __syncthreads();
@@ -512,8 +507,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
 #pragma unroll
         for (int kb = 0; kb < 8; ++kb) {  // block kb of the item: chunk kb / 4, block kb % 4
           const int bb = kb & 3;
-          const uint32_t p0 = Scaled<T>::pair((sa[kb < 4 ? 0 : 2] >> (8 * bb)) & 0xFFu);  // rows g
-          const uint32_t p1 = Scaled<T>::pair((sa[kb < 4 ? 1 : 3] >> (8 * bb)) & 0xFFu);  // rows g + 8
+          const uint32_t p0 = TiledScales<T>::a_scale((sa[kb < 4 ? 0 : 2] >> (8 * bb)) & 0xFFu);  // rows g
+          const uint32_t p1 = TiledScales<T>::a_scale((sa[kb < 4 ? 1 : 3] >> (8 * bb)) & 0xFFu);  // rows g + 8
           uint32_t A[2][4];
 #pragma unroll
           for (int h = 0; h < 2; ++h)
@@ -536,7 +531,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
     if (active) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
-        if (8 * nt < M) store_tile<T>(y, bias, out, M, t0 + r * NW + warp, nt, lane, sc, acc[nt], Scaled<T>::POST);
+        if (8 * nt < M)
+          store_tile<T>(y, bias, out, M, t0 + r * NW + warp, nt, lane, sc, acc[nt], TiledScales<T>::A_POST);
     }
   }
 }
@@ -695,8 +691,8 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
 // Which kernel, by the H100 measurements of docs/kernels.md ("Tiled layout"). M <= 8: gemv_tiled_kernel, 16 warps of
 // one slot each (at steady state its reads run at the copy bandwidth). M = 9..64: the batched kernel where the CTAs
 // have tiles to give their warps (>= 2 per SM; a layer of 1..2 tiles per SM gains only at M > 40): up to 2.6x the
-// range kernel there (0.96x only on 28672x8192 at M = 9). Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their accumulators need the
-// registers), and launches of 32 tokens above.
+// range kernel there (0.96x only on 28672x8192 at M = 9). Otherwise the range kernel: 16 warps for M <= 16, 8 for
+// M <= 32 (their accumulators need the registers), and launches of 32 tokens above.
 // kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE / KBIT_TILED_BATCH to force one (tests).
 template <typename T>
 int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
@@ -763,7 +759,8 @@ KBIT_API int kbit_dequantize_tiled(const void* wt, const void* at, const float* 
 
 #ifdef KBIT_TILED_TIMELINE
 KBIT_API int kbit_tiled_timeline(unsigned long long* host, int n) {
-  return (int)cudaMemcpyFromSymbol(host, g_timeline, sizeof(unsigned long long) * (n < 256 * 32 * 6 ? n : 256 * 32 * 6));
+  const int count = n < 256 * 32 * 6 ? n : 256 * 32 * 6;
+  return (int)cudaMemcpyFromSymbol(host, g_timeline, sizeof(unsigned long long) * count);
 }
 #endif
 

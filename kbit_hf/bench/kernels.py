@@ -142,7 +142,7 @@ def run(args) -> int:
         pct = 100 * nbytes / (us * 1e-6) / bw
         print(f"{k:>3} {us:9.1f} {nbytes / us / 1e3:8.0f} {pct:6.1f}%")
         results["dequantize"].append({"k": k, "shape": [do, di], "us": us, "pct_copy": pct})
-        if cuda.holds_tiled(do, di, k, "e4m4", torch.device("cuda")):  # the layout KbitLinear holds this weight in (format.tile)
+        if cuda.holds_tiled(do, di, k, "e4m4", torch.device("cuda")):  # KbitLinear holds it tiled (format.tile)
             wt, at = cuda.tile(p, a, di)
             us = _time_graph([lambda o=o: cuda.dequantize_out(wt, at, s, cb, k, di, o) for o in outs], repeats)
             pct = 100 * nbytes / (us * 1e-6) / bw
