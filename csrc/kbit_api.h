@@ -40,22 +40,22 @@ KBIT_API int kbit_expert_gemv(const void* x, int x_dtype, int64_t N, const int64
                               const uint32_t* packed, const void* absmax, int absmax_fp16, const float* scale,
                               const float* codebook, int k, int64_t out, int64_t in, void* y, void* stream);
 
-/* The tiled layout of large K = 4 Linear weights (kbit_hf/format.py, "The tiled layout"; out % 16 == 0,
- * in % 256 == 0, e4m4 block scales): wt uint8 [out, in / 2], at uint8 [out, in / 32], a byte permutation of packed
- * uint32 [out, in / 8] and absmax uint8 [out, in / 32]. */
-KBIT_API int kbit_tile(const uint32_t* packed, const void* absmax, int64_t out, int64_t in, void* wt, void* at,
+/* The tiled layout of large K = 2 and K = 4 Linear weights (kbit_hf/format.py, "The tiled layout"; out % 16 == 0,
+ * in % 256 == 0, e4m4 block scales): wt uint8 [out, in * k / 8], at uint8 [out, in / 32], a permutation of packed
+ * uint32 [out, in / 32 * k] and absmax uint8 [out, in / 32]. k: 2 or 4. */
+KBIT_API int kbit_tile(const uint32_t* packed, const void* absmax, int k, int64_t out, int64_t in, void* wt, void* at,
                        void* stream);
-KBIT_API int kbit_untile(const void* wt, const void* at, int64_t out, int64_t in, uint32_t* packed, void* absmax,
+KBIT_API int kbit_untile(const void* wt, const void* at, int k, int64_t out, int64_t in, uint32_t* packed, void* absmax,
                          void* stream);
-KBIT_API int kbit_dequantize_tiled(const void* wt, const void* at, const float* scale, const float* codebook,
+KBIT_API int kbit_dequantize_tiled(const void* wt, const void* at, const float* scale, const float* codebook, int k,
                                    int64_t out, int64_t in, void* y, int y_dtype, void* stream);
-/* fused GEMV over the tiled layout, 1 <= M <= 64, x/bias/y float16 or bfloat16; sm_90 only (cudaErrorNotSupported
- * on other devices). kernel: KBIT_TILED_AUTO (the library's choice), or KBIT_TILED_RANGE / KBIT_TILED_BATCH to force
- * the per-warp-range or the batched (M > 8) kernel (tests). */
+/* fused GEMV over the tiled layout, 1 <= M <= 64, x/bias/y float16 or bfloat16 (x 16-byte aligned); sm_90 only
+ * (cudaErrorNotSupported on other devices). kernel: KBIT_TILED_AUTO (the library's choice), or KBIT_TILED_RANGE /
+ * KBIT_TILED_BATCH to force the per-warp-range or the batched (M > 8) kernel (tests). */
 enum { KBIT_TILED_AUTO = 0, KBIT_TILED_RANGE = 1, KBIT_TILED_BATCH = 2 };
 KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at,
-                             const float* scale, const float* codebook, int64_t out, int64_t in, const void* bias,
-                             void* y, int kernel, void* stream);
+                             const float* scale, const float* codebook, int k, int64_t out, int64_t in,
+                             const void* bias, void* y, int kernel, void* stream);
 
 #ifdef __cplusplus
 }

@@ -1,25 +1,28 @@
-// kbit_tiled.cu: the tiled layout of large K = 4 Linear weights on sm_90 (kbit_hf/format.py, "The tiled layout"):
-// the conversions from and to the bit planes, two fused GEMVs over it (M = 1..64) and its dequantize.
+// kbit_tiled.cu: the tiled layout of large K = 2 and K = 4 Linear weights on sm_90 (kbit_hf/format.py, "The tiled
+// layout"): the conversions from and to the bit planes, two fused GEMVs over it (M = 1..64) and its dequantize.
 //
-// Layout (out % 16 == 0, in % 256 == 0; T = out / 16 tiles, C = in / 128 chunks per row): a byte permutation of the
-// bit planes and the e4m4 block scales. 1 KB of weights per (tile t, chunk c): byte ((t * C + c) * 32 + l) * 32 +
-// 8 b + 4 h + j, l = 4 g + q, holds the pair index idx[e] | idx[e + 1] << 4 of row 16 t + g + 8 (j & 1) at element
-// e = 128 c + 32 b + 8 q + 4 h + 2 (j >> 1): lane l's A fragment of m16n8k16 for the k slice (b, h), so a lane reads
-// its 32 bytes per chunk with two 16-byte shared loads, and the activations of the k slices of block b are the 8
-// consecutive elements 128 c + 32 b + 8 q .. + 7 (one 16-byte load per lane and token). Block scales, 64 bytes per
-// (t, c): byte ((t * C + c) * 16 + r) * 4 + b = block 4 c + b of row 16 t + r. Each k slice of an MMA lies inside
-// one block of each row, so the block scale multiplies the MMA's partial sums in fp32 (4 FFMA per block and lane).
+// Layout (out % 16 == 0, in % 256 == 0; T = out / 16 tiles, C = in / 128 chunks per row): a permutation of the bits
+// of the bit planes and the e4m4 block scales. 256 K bytes of weights per (tile t, chunk c), 8 K per lane l = 4 g + q:
+// byte ((t * C + c) * 32 + l) * 8 K + 2 K b + K h + 2 m + rh holds the 8 / K indices of row 16 t + g + 8 rh from
+// element e = 128 c + 32 b + 8 q + 4 h + (8 / K) m on (index i at bits K i). For K = 4 a byte is the pair
+// idx[e] | idx[e + 1] << 4 (m picks the pair: registers a_{rh + 2 m} of lane l's m16n8k16 A fragment for the k slice
+// (b, h)); for K = 2 a byte is two pairs (a_rh and a_{rh + 2}). So a lane reads its bytes of a chunk with K / 2
+// 16-byte shared loads, and the activations of the k slices of block b are the 8 consecutive elements 128 c + 32 b +
+// 8 q .. + 7 (one 16-byte load per lane and token). Block scales, 64 bytes per (t, c): byte ((t * C + c) * 16 + r) *
+// 4 + b = block 4 c + b of row 16 t + r. Each k slice of an MMA lies inside one block of each row, so the block scale
+// multiplies the MMA's partial sums in fp32 (4 FFMA per block and lane).
 //
 // GEMV by warp ranges (gemv_tiled_kernel, M <= 8 and layers of few tiles; docs/kernels.md, "Tiled layout"): one
 // persistent CTA of NW warps per SM owns whole tiles
-// (an even split of the tiles over the grid). Its items (2 chunks: 2 KB of weights + 128 B of scales, contiguous in
-// the layout) are split into NW contiguous ranges, one per warp, so each warp streams one contiguous byte range
-// through its own ring of S shared-memory slots, filled by bulk asynchronous copies (cp.async.bulk, one mbarrier per
-// slot, lane 0 issues; TMA, sm_90). The pair table (256 entries (cb[lo], cb[hi]) in the activation dtype, 32
-// replicas) lies at the shared-window address 0x10000 + 256 * index + 4 * lane, so one PRMT of a pair byte with
-// (4 * lane | 0x0100) is the whole address of a conflict-free lookup. NT tiles of 8 tokens share each looked-up A
-// operand. Tiles inside a warp's range are stored by that warp; the first and last tile of each range go through
-// shared memory (the table's space, after the loop) and are summed in warp order: deterministic, no atomics.
+// (an even split of the tiles over the grid). Its items (2 chunks: 512 K bytes of weights + 128 B of scales,
+// contiguous in the layout) are split into NW contiguous ranges, one per warp, so each warp streams one contiguous
+// byte range through its own ring of S shared-memory slots, filled by bulk asynchronous copies (cp.async.bulk, one
+// mbarrier per slot, lane 0 issues; TMA, sm_90). The pair table (build_pair_table: 256 rows, one per byte value, of
+// 32 replicas) lies at the shared-window address 0x10000 + 256 * byte + ENTRY * lane, so one PRMT of a weight byte
+// with table_lane(lane) is the whole address of a conflict-free lookup (K = 2: an 8-byte lookup gives two A
+// registers). NT tiles of 8 tokens share each looked-up A operand. Tiles inside a warp's range are stored by that
+// warp; the first and last tile of each range go through shared memory (the table's space, after the loop) and are
+// summed in warp order: deterministic, no atomics.
 // The batched GEMV (gemv_tiled_batch_kernel, M = 9..64 on layers of many tiles) has its own comment below.
 #include "kbit_api.h"
 #include "kbit_common.cuh"
@@ -33,10 +36,20 @@ namespace {
 // fixed shared-window addresses (the dynamic shared memory starts at or below BARS: checked in the kernel)
 constexpr uint32_t BARS = 0x1000;    // NW * S mbarriers
 constexpr uint32_t LOW = 0x1400;     // the first ring slots, below the table
-constexpr uint32_t TABLE = 0x10000;  // the pair table (256 rows of 256 bytes, 128 used); after the main loop, the
+constexpr uint32_t TABLE = 0x10000;  // the pair table (256 rows of 256 bytes; K = 4 uses 128); after the main loop, the
                                      // boundary partials [NW][2][NT][32 lanes][4] floats
 constexpr uint32_t RING = 0x20000;   // the other ring slots
-constexpr uint32_t ITEM_W = 2048, ITEM_A = 128, ITEM = ITEM_W + ITEM_A;
+constexpr uint32_t ITEM_A = 128;     // block-scale bytes of an item (16 rows x 256 elements)
+// Per-K sizes of the layout (K = 2, 4: a byte holds 8 / K indices): per (tile, chunk) each lane holds 8 K bytes,
+// 2 K per block; an item (2 chunks) is 512 K bytes of weights and 128 of scales.
+template <int K>
+struct Tiled {
+  static_assert(K == 2 || K == 4, "the tiled layout holds K = 2 and K = 4");
+  static constexpr uint32_t CHUNK_W = 256 * K, ITEM_W = 2 * CHUNK_W, ITEM = ITEM_W + ITEM_A;
+  static constexpr int WORDS = 4 * K;          // 32-bit words of weights per lane and item
+  static constexpr uint32_t ENTRY = 16 / K;    // bytes per pair-table entry: 4 (one pair), 8 (two pairs)
+  static constexpr uint32_t LANE_SHIFT = K == 4 ? 2 : 3;  // replica l of an entry at byte ENTRY * l of its row
+};
 // Window address of ring slot i of SB bytes (as many slots as fit below the table, the rest from RING), and the end
 // of the window that nslots need.
 template <uint32_t SB>
@@ -59,6 +72,76 @@ __device__ __forceinline__ uint4 lds128_at(uint32_t addr) {
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
+__device__ __forceinline__ uint2 lds64_at(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+
+// The pair table: 256 rows of 256 bytes at TABLE + 256 * byte, one per value of a weight byte, each holding 32
+// replicas of its entry (lane l reads replica l: conflict-free). K = 4: a byte is a pair of indices (lo | hi << 4),
+// its entry (cb[lo], cb[hi]) in T (4 bytes, half the row used); K = 2: a byte is two pairs (idx[e] << 2 i, i < 4),
+// its entry both pairs' values (8 bytes, the row full). Built from each lane's codebook entry cb_lane = cb[lane %
+// 2^K] by shuffles, times factor (TiledScales), by all NTHREADS threads of the CTA (whole rounds: the shuffles need
+// full warps).
+template <typename T, int K, int NTHREADS>
+__device__ __forceinline__ void build_pair_table(unsigned char* win, float cb_lane, float factor) {
+  constexpr int SPR = 2 * Tiled<K>::ENTRY;  // 16-byte stores per row
+  auto cb = [&](uint32_t i) { return __shfl_sync(0xFFFFFFFFu, cb_lane, (int)i) * factor; };
+  for (int i0 = 0; i0 < 256 * SPR; i0 += NTHREADS) {
+    const int i = i0 + (int)threadIdx.x;
+    const uint32_t P = (uint32_t)(i / SPR) & 255u;
+    uint4 v;
+    if constexpr (K == 4) {
+      const uint32_t w = Mma<T>::pack(cb(P & 15u), cb(P >> 4));
+      v = make_uint4(w, w, w, w);
+    } else {
+      const uint32_t w0 = Mma<T>::pack(cb(P & 3u), cb((P >> 2) & 3u)), w1 = Mma<T>::pack(cb((P >> 4) & 3u), cb(P >> 6));
+      v = make_uint4(w0, w1, w0, w1);
+    }
+    if (i < 256 * SPR) *reinterpret_cast<uint4*>(win + TABLE + 256 * P + 16 * (i % SPR)) = v;
+  }
+}
+// this lane's part of a table address: PRMT(weight word, table_lane, 0x6504 | j << 4) = TABLE + 256 * byte j + the
+// lane's replica
+template <int K>
+__device__ __forceinline__ uint32_t table_lane(int lane) {
+  return 0x0100u | ((uint32_t)lane << Tiled<K>::LANE_SHIFT);
+}
+// this lane's weight words of the item in the ring slot at sl: 8 K bytes of each chunk
+template <int K>
+__device__ __forceinline__ void load_item_words(uint32_t sl, int lane, uint32_t (&w)[Tiled<K>::WORDS]) {
+#pragma unroll
+  for (int i = 0; i < K; ++i) {
+    const uint4 v = lds128_at(sl + (i / (K / 2)) * Tiled<K>::CHUNK_W + lane * 8 * K + (i % (K / 2)) * 16);
+    w[4 * i] = v.x;
+    w[4 * i + 1] = v.y;
+    w[4 * i + 2] = v.z;
+    w[4 * i + 3] = v.w;
+  }
+}
+// the A operands of block kb of the item (k slices h = 0, 1 of m16n8k16): A[h][j] is register a_j of slice h (j & 1:
+// row g + 8), straight from the table. K = 4: one lookup per register; K = 2: one 8-byte lookup per two (a_rh and
+// a_rh+2: the two pairs of a byte)
+template <int K>
+__device__ __forceinline__ void lookup_block(const uint32_t (&w)[Tiled<K>::WORDS], int kb, uint32_t cl,
+                                             uint32_t (&A)[2][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (K == 4) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) A[h][j] = lds_at(prmt(w[2 * kb + h], cl, 0x6504u | (uint32_t)j << 4));
+    } else {
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        const uint2 v = lds64_at(prmt(w[kb], cl, 0x6504u | (uint32_t)(2 * h + rh) << 4));
+        A[h][rh] = v.x;
+        A[h][rh + 2] = v.y;
+      }
+    }
+  }
+}
+
 // The asynchronous-copy and mbarrier instructions below are sm_90's; for older targets they compile to nothing
 // (the kernel traps there, and the launcher refuses those devices).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -104,10 +187,11 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
 #endif
 }
 // one item (weights, then scales) into a ring slot, completing on its mbarrier (one lane)
+template <int K>
 __device__ __forceinline__ void fetch_item(uint32_t slot, const uint8_t* w, const uint8_t* a, uint32_t bar) {
-  mbar_expect_tx(bar, ITEM);
-  bulk_copy(slot, w, ITEM_W, bar);
-  bulk_copy(slot + ITEM_W, a, ITEM_A, bar);
+  mbar_expect_tx(bar, Tiled<K>::ITEM);
+  bulk_copy(slot, w, Tiled<K>::ITEM_W, bar);
+  bulk_copy(slot + Tiled<K>::ITEM_W, a, ITEM_A, bar);
 }
 // 16 bytes global -> shared (cp.async, L2 only)
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
@@ -183,7 +267,7 @@ __device__ __forceinline__ void store_tile(T* y, const T* bias, int64_t out, int
 
 // NT tiles of 8 tokens (M <= 8 NT). NT = 1 loads an item's activations before waiting for its weights; NT > 1 loads
 // one block's ahead (fewer registers): the first block's before the wait, block kb + 1's while kb computes.
-template <typename T, int NW, int S, int NT>
+template <typename T, int K, int NW, int S, int NT>
 __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restrict__ x, int M,
                                                                  const uint8_t* __restrict__ wt,
                                                                  const uint8_t* __restrict__ at,
@@ -200,7 +284,8 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   static_assert(BARS + NW * S * 8 <= LOW && NW * 2 * NT * 512 <= RING - TABLE, "shared-memory map");
   uint32_t dsz;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsz));
-  if (base > BARS || base + dsz < ring_end<ITEM>(NW * S)) __trap();
+  using L = Tiled<K>;
+  if (base > BARS || base + dsz < ring_end<L::ITEM>(NW * S)) __trap();
   // the warp index through a shuffle: the compiler then knows it is warp-uniform and keeps the bulk-copy operands in
   // uniform registers (no per-lane loop around each copy)
   const int lane = threadIdx.x & 31, warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
@@ -209,7 +294,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   // Start-up, each wait a round trip to L2, overlapped: this lane's codebook entry (the table is built from it by
   // shuffles) and the tensor scale are loaded first, then the ring's first fetches are issued and the first item's
   // activations prefetched into L1, then the table is built.
-  const float cb_lane = __ldg(codebook + (lane & 15));
+  const float cb_lane = __ldg(codebook + (lane & ((1 << K) - 1)));
   const float sc = __ldg(scale);
   const int64_t T_ = out / 16;
   const int IPT = in / 256;  // items per tile
@@ -218,14 +303,14 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   const int n = (int)((t1 - t0) * IPT);  // the CTA's items
   auto range_begin = [&](int w2) { return (int)((int64_t)n * w2 / NW); };  // warp w2's items: [rb(w2), rb(w2 + 1))
   const int u0 = range_begin(warp), u1 = range_begin(warp + 1);
-  const uint8_t* wsrc = wt + (t0 * IPT) * ITEM_W;
+  const uint8_t* wsrc = wt + (t0 * IPT) * L::ITEM_W;
   const uint8_t* asrc = at + (t0 * IPT) * ITEM_A;
   const uint32_t wbar = BARS + warp * S * 8;
   if (lane == 0) {
     for (int s = 0; s < S; ++s) mbar_init(wbar + 8 * s, 1);
     for (int s = 0; s < S && u0 + s < u1; ++s)
-      fetch_item(ring_addr<ITEM>(warp * S + s), wsrc + (int64_t)(u0 + s) * ITEM_W, asrc + (int64_t)(u0 + s) * ITEM_A,
-                 wbar + 8 * s);
+      fetch_item<K>(ring_addr<L::ITEM>(warp * S + s), wsrc + (int64_t)(u0 + s) * L::ITEM_W,
+                    asrc + (int64_t)(u0 + s) * ITEM_A, wbar + 8 * s);
   }
   // token 8 nt + g in this lane's B column: its elements 8 q .. 8 q + 7 of each 32-element block, as 16-byte words.
   // Tokens past M read token M - 1: their output columns are never stored, so no loads are predicated or zeroed.
@@ -243,17 +328,10 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       for (int kb = 0; kb < 8; ++kb)
         asm volatile("prefetch.global.L1 [%0];" ::"l"(x16 + xo[nt] + 32u * (u0 - tf * IPT) + 4 * kb));
   }
-  // pair table: entry P = (cb[P & 15], cb[P >> 4]) * SUM_TABLE in T, 32 replicas of 4 bytes: 8 16-byte stores per
-  // entry (a whole number of rounds for every thread: the shuffles need the full warp)
-  for (int i0 = 0; i0 < 256 * 8; i0 += NW * 32) {
-    const int i = i0 + threadIdx.x, P = (i >> 3) & 255;
-    const uint32_t w = Mma<T>::pack(__shfl_sync(0xFFFFFFFFu, cb_lane, P & 15) * TiledScales<T>::SUM_TABLE,
-                                    __shfl_sync(0xFFFFFFFFu, cb_lane, P >> 4) * TiledScales<T>::SUM_TABLE);
-    if (i < 256 * 8) *reinterpret_cast<uint4*>(win + TABLE + 256 * P + 16 * (i & 7)) = make_uint4(w, w, w, w);
-  }
+  build_pair_table<T, K, NW * 32>(win, cb_lane, TiledScales<T>::SUM_TABLE);
   __syncthreads();
   KBIT_STAMP(1);
-  const uint32_t cl = 0x0100u | ((uint32_t)lane << 2);
+  const uint32_t cl = table_lane<K>(lane);
   float acc[NT][4], accf[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
@@ -262,7 +340,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   // the walk: tile cur, item v inside it; ring slot s with its mbarrier phase; the next item to fetch
   int cur = tf, v = u0 - tf * IPT, unext = u0 + S;
   uint32_t s = 0, phase = 0;
-  const uint8_t* wnext = wsrc + (int64_t)unext * ITEM_W;
+  const uint8_t* wnext = wsrc + (int64_t)unext * L::ITEM_W;
   const uint8_t* anext = asrc + (int64_t)unext * ITEM_A;
   for (int u = u0; u < u1; ++u, ++v) {
     if (v == IPT) {  // the previous tile is done: keep the first one, store a middle one
@@ -293,38 +371,33 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) xn[nt] = load_x(nt, 0);
     }
-    const uint32_t bar = wbar + 8 * s, sl = ring_addr<ITEM>(warp * S + s);
+    const uint32_t bar = wbar + 8 * s, sl = ring_addr<L::ITEM>(warp * S + s);
     mbar_wait(bar, phase);
 #ifdef KBIT_TILED_TIMELINE
     if (u == u0) KBIT_STAMP(2);
 #endif
-    uint4 wv[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) wv[i] = lds128_at(sl + (i >> 1) * 1024 + lane * 32 + (i & 1) * 16);
-    const uint32_t a0 = lds_at(sl + ITEM_W + g * 4), a1 = lds_at(sl + ITEM_W + (g + 8) * 4);
-    const uint32_t a2 = lds_at(sl + ITEM_W + 64 + g * 4), a3 = lds_at(sl + ITEM_W + 64 + (g + 8) * 4);
+    uint32_t w[L::WORDS];
+    load_item_words<K>(sl, lane, w);
+    const uint32_t sa = sl + L::ITEM_W;
+    const uint32_t a0 = lds_at(sa + g * 4), a1 = lds_at(sa + (g + 8) * 4);
+    const uint32_t a2 = lds_at(sa + 64 + g * 4), a3 = lds_at(sa + 64 + (g + 8) * 4);
     // every lane has read the slot: refill it (generic-proxy reads before the async-proxy write)
     fence_proxy_async();
     __syncwarp();
-    if (lane == 0 && unext < u1) fetch_item(sl, wnext, anext, bar);
+    if (lane == 0 && unext < u1) fetch_item<K>(sl, wnext, anext, bar);
     ++unext;
-    wnext += ITEM_W;
+    wnext += L::ITEM_W;
     anext += ITEM_A;
     if (++s == S) {
       s = 0;
       phase ^= 1u;
     }
-    const uint32_t w[16] = {wv[0].x, wv[0].y, wv[0].z, wv[0].w, wv[1].x, wv[1].y, wv[1].z, wv[1].w,
-                            wv[2].x, wv[2].y, wv[2].z, wv[2].w, wv[3].x, wv[3].y, wv[3].z, wv[3].w};
 #pragma unroll
     for (int kb = 0; kb < 8; ++kb) {  // block kb of the item: chunk kb / 4, block kb % 4
       const uint32_t sg = kb < 4 ? a0 : a2, sh = kb < 4 ? a1 : a3;
       const int bb = kb & 3;
       uint32_t A[2][4];
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) A[h][j] = lds_at(prmt(w[2 * kb + h], cl, 0x6504u | (uint32_t)j << 4));
+      lookup_block<K>(w, kb, cl, A);
       const float s0 = TiledScales<T>::sum_scale((sg >> (8 * bb)) & 0xFFu);
       const float s1 = TiledScales<T>::sum_scale((sh >> (8 * bb)) & 0xFFu);
       uint4 xc[NT > 1 ? NT : 1];
@@ -415,7 +488,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 // and read the shared activations. No partial sums cross warps: each warp stores its tile. A stage: [NT * 8 token rows]
 // [NW items' weights] [NW items' scales]; full barrier: the producer's expect_tx arrival and its 32 lanes' cp.async
 // arrivals; empty barrier: the NW consumer warps.
-template <typename T, int NW, int XS, int NT>
+template <typename T, int K, int NW, int XS, int NT>
 __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(const T* __restrict__ x, int M,
                                                                               const uint8_t* __restrict__ wt,
                                                                               const uint8_t* __restrict__ at,
@@ -426,7 +499,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
 #if !KBIT_SM90
   __trap();  // sm_90 only: the launcher refuses other devices
 #endif
-  constexpr uint32_t XROW = 576, XB = NT * 8 * XROW, STAGE = XB + NW * ITEM;
+  using L = Tiled<K>;
+  constexpr uint32_t XROW = 576, XB = NT * 8 * XROW, STAGE = XB + NW * L::ITEM;
   constexpr uint32_t FULL = BARS, EMPTY = BARS + 8 * XS;
   static_assert(BARS + 16 * XS <= LOW, "shared-memory map");
   extern __shared__ __align__(128) unsigned char smem[];
@@ -437,7 +511,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
   if (base > BARS || base + dsz < ring_end<STAGE>(XS)) __trap();
   const int lane = threadIdx.x & 31, warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
   const int g = lane >> 2, q = lane & 3;
-  const float cb_lane = __ldg(codebook + (lane & 15));
+  const float cb_lane = __ldg(codebook + (lane & ((1 << K) - 1)));
   const float sc = __ldg(scale);
   const int64_t T_ = out / 16;
   const int IPT = in / 256;
@@ -449,14 +523,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
       mbar_init(EMPTY + 8 * s, NW);
     }
   }
-  // the pair table as in gemv_tiled_kernel, times A_TABLE (the same loop through a shared helper compiles this kernel
-  // differently, and its compiled code is what the GPU checks of this session ran)
-  for (int i0 = 0; i0 < 256 * 8; i0 += (NW + 1) * 32) {
-    const int i = i0 + threadIdx.x, P = (i >> 3) & 255;
-    const uint32_t w = Mma<T>::pack(__shfl_sync(0xFFFFFFFFu, cb_lane, P & 15) * TiledScales<T>::A_TABLE,
-                                    __shfl_sync(0xFFFFFFFFu, cb_lane, P >> 4) * TiledScales<T>::A_TABLE);
-    if (i < 256 * 8) *reinterpret_cast<uint4*>(win + TABLE + 256 * P + 16 * (i & 7)) = make_uint4(w, w, w, w);
-  }
+  build_pair_table<T, K, (NW + 1) * 32>(win, cb_lane, TiledScales<T>::A_TABLE);
   __syncthreads();
   const int steps = rounds * IPT;
   if (warp == NW) {  // the producer
@@ -467,14 +534,14 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
       if (j >= XS) mbar_wait(EMPTY + 8 * s, (j / XS - 1) & 1);
       fence_proxy_async();  // the consumers' reads of this stage before the bulk copies' writes
       const int na = min(NW, ntc - r * NW);
-      if (lane == 0) mbar_expect_tx(FULL + 8 * s, na * ITEM);
+      if (lane == 0) mbar_expect_tx(FULL + 8 * s, na * L::ITEM);
       __syncwarp();
       for (int m = 0; m < M; ++m) cp_async16(st + m * XROW + 16 * lane, xb + ((int64_t)m * in + 256 * v) * sizeof(T));
       cp_async_arrive(FULL + 8 * s);
       if (lane < na) {
         const int64_t item = (t0 + r * NW + lane) * IPT + v;
-        bulk_copy(st + XB + lane * ITEM_W, wt + item * ITEM_W, ITEM_W, FULL + 8 * s);
-        bulk_copy(st + XB + NW * ITEM_W + lane * ITEM_A, at + item * ITEM_A, ITEM_A, FULL + 8 * s);
+        bulk_copy(st + XB + lane * L::ITEM_W, wt + item * L::ITEM_W, L::ITEM_W, FULL + 8 * s);
+        bulk_copy(st + XB + NW * L::ITEM_W + lane * ITEM_A, at + item * ITEM_A, ITEM_A, FULL + 8 * s);
       }
       if (++v == IPT) {
         v = 0;
@@ -483,7 +550,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
     }
     return;
   }
-  const uint32_t cl = 0x0100u | ((uint32_t)lane << 2);
+  const uint32_t cl = table_lane<K>(lane);
   int j = 0;
   for (int r = 0; r < rounds; ++r) {
     const bool active = r * NW + warp < ntc;
@@ -496,25 +563,22 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
       const uint32_t s = j % XS, st = ring_addr<STAGE>(s);
       mbar_wait(FULL + 8 * s, (j / XS) & 1);
       if (active) {
-        const uint32_t iw = st + XB + warp * ITEM_W, ia = st + XB + NW * ITEM_W + warp * ITEM_A;
-        uint4 wv[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) wv[i] = lds128_at(iw + (i >> 1) * 1024 + lane * 32 + (i & 1) * 16);
+        const uint32_t iw = st + XB + warp * L::ITEM_W, ia = st + XB + NW * L::ITEM_W + warp * ITEM_A;
+        uint32_t w[L::WORDS];
+        load_item_words<K>(iw, lane, w);
         const uint32_t sa[4] = {lds_at(ia + g * 4), lds_at(ia + (g + 8) * 4), lds_at(ia + 64 + g * 4),
                                 lds_at(ia + 64 + (g + 8) * 4)};
-        const uint32_t w[16] = {wv[0].x, wv[0].y, wv[0].z, wv[0].w, wv[1].x, wv[1].y, wv[1].z, wv[1].w,
-                                wv[2].x, wv[2].y, wv[2].z, wv[2].w, wv[3].x, wv[3].y, wv[3].z, wv[3].w};
 #pragma unroll
         for (int kb = 0; kb < 8; ++kb) {  // block kb of the item: chunk kb / 4, block kb % 4
           const int bb = kb & 3;
           const uint32_t p0 = TiledScales<T>::a_scale((sa[kb < 4 ? 0 : 2] >> (8 * bb)) & 0xFFu);  // rows g
           const uint32_t p1 = TiledScales<T>::a_scale((sa[kb < 4 ? 1 : 3] >> (8 * bb)) & 0xFFu);  // rows g + 8
           uint32_t A[2][4];
+          lookup_block<K>(w, kb, cl, A);
 #pragma unroll
           for (int h = 0; h < 2; ++h)
 #pragma unroll
-            for (int jj = 0; jj < 4; ++jj)
-              A[h][jj] = Mma<T>::mul2(lds_at(prmt(w[2 * kb + h], cl, 0x6504u | (uint32_t)jj << 4)), jj & 1 ? p1 : p0);
+            for (int jj = 0; jj < 4; ++jj) A[h][jj] = Mma<T>::mul2(A[h][jj], jj & 1 ? p1 : p0);
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             if (8 * nt < M) {
@@ -537,40 +601,56 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
   }
 }
 
-// bit planes [out][in / 8] + e4m4 absmax [out][in / 32] -> tiled: one thread per 4-byte word of tiled weights (and,
-// for l = h = 0, the 16 scales of its (tile, chunk, block))
+// Where an index sits in the layout (format.py, "The tiled layout"): byte B = 2 K b + K h + 2 m + rh (b < 4, h < 2,
+// m < K / 2, rh < 2) of lane l = 4 g + q's 8 K bytes of chunk c holds the 8 / K indices of row 16 t + g + 8 rh from
+// element 32 b + 8 q + 4 h + (8 / K) m of the chunk on, index i at bits K i.
+template <int K>
+struct TiledByte {
+  int b, h, m, rh;
+  __device__ explicit TiledByte(int B) : b(B / (2 * K)), h((B % (2 * K)) / K), m((B % K) >> 1), rh(B & 1) {}
+  __device__ int element(int q) const { return 32 * b + 8 * q + 4 * h + (8 / K) * m; }  // its first, in the chunk
+};
+
+// bit planes [out][in / 32 * K] + e4m4 absmax [out][in / 32] -> tiled: one thread per 4-byte word of tiled weights
+// (and, for lane 0's first word of a block, the 16 scales of its (tile, chunk, block))
+template <int K>
 __global__ void tile_kernel(const uint32_t* __restrict__ packed, const uint8_t* __restrict__ absmax, int64_t out,
                             int in, uint32_t* __restrict__ wt, uint8_t* __restrict__ at) {
+  constexpr int LW = 2 * K;  // words per lane and chunk
   const int C = in / 128, nb = in / 32;
-  const int64_t nwords = out * (int64_t)in / 8;
+  const int64_t nwords = out * (int64_t)in * K / 32;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < nwords; i += (int64_t)gridDim.x * blockDim.x) {
-    const int h = (int)(i & 1), b = (int)((i >> 1) & 3), l = (int)((i >> 3) & 31);
-    const int64_t tc = i >> 8;  // word i = ((t * C + c) * 32 + l) * 8 + 2 b + h
+    const int wi = (int)(i % LW), l = (int)((i / LW) & 31);
+    const int64_t tc = i / (LW * 32);  // word i = ((t * C + c) * 32 + l) * LW + wi
     const int c = (int)(tc % C);
     const int64_t t = tc / C;
     const int g = l >> 2, q = l & 3;
     uint32_t word = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int64_t r = 16 * t + g + 8 * (j & 1);
-      const int e = 8 * q + 4 * h + 2 * (j >> 1);  // element inside block 4 c + b
-      const uint32_t* p = packed + (r * nb + 4 * c + b) * 4;
-      uint32_t i0 = 0, i1 = 0;
+      const TiledByte<K> at_(4 * wi + j);
+      const int64_t r = 16 * t + g + 8 * at_.rh;
+      const int e = at_.element(q) - 32 * at_.b;  // inside block 4 c + b
+      const uint32_t* p = packed + (r * nb + 4 * c + at_.b) * K;
+      uint32_t byte = 0;
 #pragma unroll
-      for (int pl = 0; pl < 4; ++pl) {
+      for (int pl = 0; pl < K; ++pl) {
         const uint32_t v = __ldg(p + pl);
-        i0 |= ((v >> e) & 1u) << pl;
-        i1 |= ((v >> (e + 1)) & 1u) << pl;
+#pragma unroll
+        for (int ii = 0; ii < 8 / K; ++ii) byte |= ((v >> (e + ii)) & 1u) << (K * ii + pl);
       }
-      word |= (i0 | (i1 << 4)) << (8 * j);
+      word |= byte << (8 * j);
     }
     wt[i] = word;
-    if (l == 0 && h == 0)
+    if (l == 0 && (4 * wi) % (2 * K) == 0) {
+      const int b = 4 * wi / (2 * K);
       for (int r = 0; r < 16; ++r) at[(tc * 16 + r) * 4 + b] = absmax[(16 * t + r) * nb + 4 * c + b];
+    }
   }
 }
 
-// tiled -> bit planes: one thread per (row, block); gathers the block's 16 pair bytes
+// tiled -> bit planes: one thread per (row, block); gathers the block's 4 K bytes
+template <int K>
 __global__ void untile_kernel(const uint8_t* __restrict__ wt, const uint8_t* __restrict__ at, int64_t out, int in,
                               uint32_t* __restrict__ packed, uint8_t* __restrict__ absmax) {
   const int C = in / 128, nb = in / 32;
@@ -580,31 +660,34 @@ __global__ void untile_kernel(const uint8_t* __restrict__ wt, const uint8_t* __r
     const int blk = (int)(i - r * nb), c = blk >> 2, b = blk & 3;
     const int64_t t = r >> 4;
     const int rr = (int)(r & 15), g = rr & 7, hi = rr >> 3;
-    uint32_t pl[4] = {0u, 0u, 0u, 0u};
+    uint32_t pl[K] = {};
     for (int q = 0; q < 4; ++q)
       for (int h = 0; h < 2; ++h)
-        for (int m = 0; m < 2; ++m) {
-          const uint32_t pair = wt[((t * C + c) * 32 + 4 * g + q) * 32 + 8 * b + 4 * h + 2 * m + hi];
-          const int e = 8 * q + 4 * h + 2 * m;
+        for (int m = 0; m < K / 2; ++m) {
+          const int B = 2 * K * b + K * h + 2 * m + hi;
+          const uint32_t byte = wt[((t * C + c) * 32 + 4 * g + q) * (8 * K) + B];
+          const int e = TiledByte<K>(B).element(q) - 32 * b;
 #pragma unroll
-          for (int j = 0; j < 4; ++j) pl[j] |= (((pair >> j) & 1u) << e) | (((pair >> (4 + j)) & 1u) << (e + 1));
+          for (int ii = 0; ii < 8 / K; ++ii)
+#pragma unroll
+            for (int j = 0; j < K; ++j) pl[j] |= ((byte >> (K * ii + j)) & 1u) << (e + ii);
         }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) packed[i * 4 + j] = pl[j];
+    for (int j = 0; j < K; ++j) packed[i * K + j] = pl[j];
     absmax[i] = at[((t * C + c) * 16 + rr) * 4 + b];
   }
 }
 
 // tiled -> dense weights in TO, bitwise the values of dequant_kernel ((cb * d) * scale in fp32, one rounding): one
-// thread per (tile, chunk, lane, block), i.e. 8 consecutive elements of two rows
-template <typename TO>
+// thread per (tile, chunk, lane, block), i.e. 8 consecutive elements of two rows (2 K bytes)
+template <int K, typename TO>
 __global__ void dequant_tiled_kernel(const uint8_t* __restrict__ wt, const uint8_t* __restrict__ at,
                                      const float* __restrict__ scale, const float* __restrict__ codebook, int64_t out,
                                      int in, TO* __restrict__ y) {
   const int C = in / 128;
   const float sc = scale[0];
-  const float cb = codebook[threadIdx.x & 15];  // lane l holds cb[l % 16]: lookups by shuffle
-  const int64_t n = out * (int64_t)in / 16;       // threads of work; uniform loop bounds per warp (shuffles)
+  const float cb = codebook[threadIdx.x & ((1 << K) - 1)];  // lane l holds cb[l % 2^K]: lookups by shuffle
+  const int64_t n = out * (int64_t)in / 16;                  // threads of work; uniform loop bounds per warp (shuffles)
   for (int64_t i0 = blockIdx.x * (int64_t)blockDim.x + (threadIdx.x & ~31); i0 < n;
        i0 += (int64_t)gridDim.x * blockDim.x) {
     const int64_t i = i0 + (threadIdx.x & 31);
@@ -615,21 +698,26 @@ __global__ void dequant_tiled_kernel(const uint8_t* __restrict__ wt, const uint8
     const int c = (int)(tc % C);
     const int64_t t = tc / C;
     const int g = l >> 2, q = l & 3;
-    const uint2 wd = *reinterpret_cast<const uint2*>(wt + ii * 8);  // words h = 0, 1: bytes 8 b + 4 h + j
+    uint32_t wd[K / 2];  // bytes 2 K b .. 2 K b + 2 K - 1 of the lane's chunk
+    if constexpr (K == 4) {
+      const uint2 v = *reinterpret_cast<const uint2*>(wt + ii * 8);
+      wd[0] = v.x;
+      wd[1] = v.y;
+    } else {
+      wd[0] = *reinterpret_cast<const uint32_t*>(wt + ii * 4);
+    }
     const uint32_t s0 = at[(tc * 16 + g) * 4 + b], s1 = at[(tc * 16 + g + 8) * 4 + b];
     const float d[2] = {e4m4_decode(s0), e4m4_decode(s1)};
     float v[2][8];  // [row g / g + 8][element 8 q + ..]
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t word = h ? wd.y : wd.x;
+    for (int B = 0; B < 2 * K; ++B) {
+      const TiledByte<K> p(2 * K * b + B);
+      const uint32_t byte = (wd[B >> 2] >> (8 * (B & 3))) & 0xFFu;
+      const int e = p.element(q) - 32 * b - 8 * q;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t pair = (word >> (8 * j)) & 0xFFu;
-        const int row = j & 1, e = 4 * h + 2 * (j >> 1);
-        const float lo = __shfl_sync(0xFFFFFFFFu, cb, (int)(pair & 15u));
-        const float hi = __shfl_sync(0xFFFFFFFFu, cb, (int)(pair >> 4));
-        v[row][e] = __fmul_rn(__fmul_rn(lo, d[row]), sc);
-        v[row][e + 1] = __fmul_rn(__fmul_rn(hi, d[row]), sc);
+      for (int k = 0; k < 8 / K; ++k) {
+        const float c = __shfl_sync(0xFFFFFFFFu, cb, (int)((byte >> (K * k)) & ((1u << K) - 1)));
+        v[p.rh][e + k] = __fmul_rn(__fmul_rn(c, d[p.rh]), sc);
       }
     }
     if (!valid) continue;
@@ -652,49 +740,53 @@ __global__ void dequant_tiled_kernel(const uint8_t* __restrict__ wt, const uint8
   }
 }
 
-bool tiled_shape(int64_t out, int64_t in) { return out > 0 && in > 0 && out % 16 == 0 && in % 256 == 0 && in < (1 << 30); }
+bool tiled_shape(int64_t out, int64_t in) {
+  return out > 0 && in > 0 && out % 16 == 0 && in % 256 == 0 && in < (1 << 30);
+}
 
 // One instantiation's launch (its dynamic shared-memory limit is raised once per device).
-template <typename T, int NW, int S, int NT>
+template <typename T, int K, int NW, int S, int NT>
 int gemv_tiled_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                   const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
   static bool attr_set[64] = {};  // current_device_sms: dev < 64
-  const int dyn = (int)ring_end<ITEM>(NW * S);
+  const int dyn = (int)ring_end<Tiled<K>::ITEM>(NW * S);
   if (!attr_set[dev]) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(gemv_tiled_kernel<T, NW, S, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
-    if (e != cudaSuccess) return (int)e;
-    attr_set[dev] = true;
-  }
-  gemv_tiled_kernel<T, NW, S, NT><<<(unsigned)sms, NW * 32, dyn, st>>>(x, M, wt, at, scale, cb, bias, out, (int)in, y);
-  return (int)cudaGetLastError();
-}
-
-// The batched kernel's launch: NW consumer warps and a producer warp, XS stages.
-template <typename T, int NW, int XS, int NT>
-int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
-                        const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
-  static bool attr_set[64] = {};
-  constexpr uint32_t STAGE = NT * 8 * 576 + NW * ITEM;
-  const int dyn = (int)ring_end<STAGE>(XS);
-  if (!attr_set[dev]) {
-    const cudaError_t e = cudaFuncSetAttribute(gemv_tiled_batch_kernel<T, NW, XS, NT>,
+    const cudaError_t e = cudaFuncSetAttribute(gemv_tiled_kernel<T, K, NW, S, NT>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
     if (e != cudaSuccess) return (int)e;
     attr_set[dev] = true;
   }
-  gemv_tiled_batch_kernel<T, NW, XS, NT><<<(unsigned)sms, (NW + 1) * 32, dyn, st>>>(x, M, wt, at, scale, cb, bias, out,
-                                                                                  (int)in, y);
+  gemv_tiled_kernel<T, K, NW, S, NT><<<(unsigned)sms, NW * 32, dyn, st>>>(x, M, wt, at, scale, cb, bias, out, (int)in,
+                                                                          y);
+  return (int)cudaGetLastError();
+}
+
+// The batched kernel's launch: NW consumer warps and a producer warp, XS stages.
+template <typename T, int K, int NW, int XS, int NT>
+int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
+                        const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
+  static bool attr_set[64] = {};
+  constexpr uint32_t STAGE = NT * 8 * 576 + NW * Tiled<K>::ITEM;
+  const int dyn = (int)ring_end<STAGE>(XS);
+  if (!attr_set[dev]) {
+    const cudaError_t e = cudaFuncSetAttribute(gemv_tiled_batch_kernel<T, K, NW, XS, NT>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
+    if (e != cudaSuccess) return (int)e;
+    attr_set[dev] = true;
+  }
+  gemv_tiled_batch_kernel<T, K, NW, XS, NT><<<(unsigned)sms, (NW + 1) * 32, dyn, st>>>(x, M, wt, at, scale, cb, bias,
+                                                                                     out, (int)in, y);
   return (int)cudaGetLastError();
 }
 
 // Which kernel, by the H100 measurements of docs/kernels.md ("Tiled layout"). M <= 8: gemv_tiled_kernel, 16 warps of
-// one slot each (at steady state its reads run at the copy bandwidth). M = 9..64: the batched kernel where the CTAs
-// have tiles to give their warps (>= 2 per SM; a layer of 1..2 tiles per SM gains only at M > 40): up to 2.6x the
-// range kernel there (0.96x only on 28672x8192 at M = 9). Otherwise the range kernel: 16 warps for M <= 16, 8 for
-// M <= 32 (their accumulators need the registers), and launches of 32 tokens above.
-// kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE / KBIT_TILED_BATCH to force one (tests).
-template <typename T>
+// one slot each (at steady state its K = 4 reads run at the copy bandwidth; more slots, or for K = 2 two items per
+// bulk copy, measured slower or even, also on small layers). M = 9..64: the batched kernel where the CTAs have tiles to
+// give their warps (>= 2 per SM; a layer of 1..2 tiles per SM gains only at M > 40): up to 2.6x the range kernel
+// there (0.96x only on 28672x8192 at M = 9). Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their
+// accumulators need the registers), and launches of 32 tokens above. kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE /
+// KBIT_TILED_BATCH to force one (tests).
+template <typename T, int K>
 int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                       const T* bias, int64_t out, int64_t in, T* y, int kernel, cudaStream_t st) {
   int dev = 0, sms = 0, major = 0;
@@ -705,56 +797,84 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
   const bool batch = kernel == KBIT_TILED_BATCH ||
                      (kernel == KBIT_TILED_AUTO && M > 8 && (tiles >= 2 * sms || (M > 40 && tiles >= sms)));
   if (batch) {
-    if (M <= 16) return gemv_tiled_batch_go<T, 8, 4, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-    if (M <= 32) return gemv_tiled_batch_go<T, 8, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-    return gemv_tiled_batch_go<T, 8, 2, 8>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+    if (M <= 16) return gemv_tiled_batch_go<T, K, 8, 4, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+    if (M <= 32) return gemv_tiled_batch_go<T, K, 8, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+    return gemv_tiled_batch_go<T, K, 8, 2, 8>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
   }
-  if (M <= 8) return gemv_tiled_go<T, 16, 1, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-  if (M <= 16) return gemv_tiled_go<T, 16, 1, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-  if (M <= 32) return gemv_tiled_go<T, 8, 1, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  if (M <= 8) return gemv_tiled_go<T, K, 16, 1, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  if (M <= 16) return gemv_tiled_go<T, K, 16, 1, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  if (M <= 32) return gemv_tiled_go<T, K, 8, 1, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
   for (int m0 = 0; m0 < M; m0 += 32) {
-    const int rc = gemv_tiled_launch<T>(x + m0 * in, M - m0 < 32 ? M - m0 : 32, wt, at, scale, cb, bias, out, in,
-                                        y + m0 * out, KBIT_TILED_RANGE, st);
+    const int rc = gemv_tiled_launch<T, K>(x + m0 * in, M - m0 < 32 ? M - m0 : 32, wt, at, scale, cb, bias, out, in,
+                                           y + m0 * out, KBIT_TILED_RANGE, st);
     if (rc != 0) return rc;
   }
   return 0;
 }
 
+template <int K, typename TO>
+int dequantize_tiled_go(const void* wt, const void* at, const float* scale, const float* codebook, int64_t out,
+                        int64_t in, void* y, cudaStream_t st) {
+  dequant_tiled_kernel<K, TO><<<grid_for_threads(out * in / 16), 256, 0, st>>>(
+      (const uint8_t*)wt, (const uint8_t*)at, scale, codebook, out, (int)in, (TO*)y);
+  return (int)cudaGetLastError();
+}
+
+template <int K>
+int dequantize_tiled_k(const void* wt, const void* at, const float* scale, const float* codebook, int64_t out,
+                       int64_t in, void* y, int y_dtype, cudaStream_t st) {
+  switch (y_dtype) {
+    case F32: return dequantize_tiled_go<K, float>(wt, at, scale, codebook, out, in, y, st);
+    case F16: return dequantize_tiled_go<K, __half>(wt, at, scale, codebook, out, in, y, st);
+    case BF16: return dequantize_tiled_go<K, __nv_bfloat16>(wt, at, scale, codebook, out, in, y, st);
+    default: return (int)cudaErrorInvalidValue;
+  }
+}
+
+template <typename T>
+int gemv_tiled_k(int k, const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
+                 const T* bias, int64_t out, int64_t in, T* y, int kernel, cudaStream_t st) {
+  return k == 4 ? gemv_tiled_launch<T, 4>(x, M, wt, at, scale, cb, bias, out, in, y, kernel, st)
+                : gemv_tiled_launch<T, 2>(x, M, wt, at, scale, cb, bias, out, in, y, kernel, st);
+}
+
+bool tiled_k(int k) { return k == 2 || k == 4; }
+
 }  // namespace
 
 extern "C" {
 
-KBIT_API int kbit_tile(const uint32_t* packed, const void* absmax, int64_t out, int64_t in, void* wt, void* at,
+KBIT_API int kbit_tile(const uint32_t* packed, const void* absmax, int k, int64_t out, int64_t in, void* wt, void* at,
                        void* stream) {
-  if (!tiled_shape(out, in)) return (int)cudaErrorInvalidValue;
-  tile_kernel<<<grid_for_threads(out * in / 8), 256, 0, (cudaStream_t)stream>>>(
-      packed, (const uint8_t*)absmax, out, (int)in, (uint32_t*)wt, (uint8_t*)at);
+  if (!tiled_shape(out, in) || !tiled_k(k)) return (int)cudaErrorInvalidValue;
+  const int grid = grid_for_threads(out * in * k / 32);
+  cudaStream_t st = (cudaStream_t)stream;
+  if (k == 4)
+    tile_kernel<4><<<grid, 256, 0, st>>>(packed, (const uint8_t*)absmax, out, (int)in, (uint32_t*)wt, (uint8_t*)at);
+  else
+    tile_kernel<2><<<grid, 256, 0, st>>>(packed, (const uint8_t*)absmax, out, (int)in, (uint32_t*)wt, (uint8_t*)at);
   return (int)cudaGetLastError();
 }
 
-KBIT_API int kbit_untile(const void* wt, const void* at, int64_t out, int64_t in, uint32_t* packed, void* absmax,
+KBIT_API int kbit_untile(const void* wt, const void* at, int k, int64_t out, int64_t in, uint32_t* packed, void* absmax,
                          void* stream) {
-  if (!tiled_shape(out, in)) return (int)cudaErrorInvalidValue;
-  untile_kernel<<<grid_for_threads(out * in / 32), 256, 0, (cudaStream_t)stream>>>(
-      (const uint8_t*)wt, (const uint8_t*)at, out, (int)in, packed, (uint8_t*)absmax);
-  return (int)cudaGetLastError();
-}
-
-KBIT_API int kbit_dequantize_tiled(const void* wt, const void* at, const float* scale, const float* codebook,
-                                   int64_t out, int64_t in, void* y, int y_dtype, void* stream) {
-  if (!tiled_shape(out, in)) return (int)cudaErrorInvalidValue;
-  const int grid = grid_for_threads(out * in / 16);
+  if (!tiled_shape(out, in) || !tiled_k(k)) return (int)cudaErrorInvalidValue;
+  const int grid = grid_for_threads(out * in / 32);
   cudaStream_t st = (cudaStream_t)stream;
   const uint8_t *w = (const uint8_t*)wt, *a = (const uint8_t*)at;
-  switch (y_dtype) {
-    case F32: dequant_tiled_kernel<float><<<grid, 256, 0, st>>>(w, a, scale, codebook, out, (int)in, (float*)y); break;
-    case F16: dequant_tiled_kernel<__half><<<grid, 256, 0, st>>>(w, a, scale, codebook, out, (int)in, (__half*)y); break;
-    case BF16:
-      dequant_tiled_kernel<__nv_bfloat16><<<grid, 256, 0, st>>>(w, a, scale, codebook, out, (int)in, (__nv_bfloat16*)y);
-      break;
-    default: return (int)cudaErrorInvalidValue;
-  }
+  if (k == 4)
+    untile_kernel<4><<<grid, 256, 0, st>>>(w, a, out, (int)in, packed, (uint8_t*)absmax);
+  else
+    untile_kernel<2><<<grid, 256, 0, st>>>(w, a, out, (int)in, packed, (uint8_t*)absmax);
   return (int)cudaGetLastError();
+}
+
+KBIT_API int kbit_dequantize_tiled(const void* wt, const void* at, const float* scale, const float* codebook, int k,
+                                   int64_t out, int64_t in, void* y, int y_dtype, void* stream) {
+  if (!tiled_shape(out, in) || !tiled_k(k)) return (int)cudaErrorInvalidValue;
+  cudaStream_t st = (cudaStream_t)stream;
+  return k == 4 ? dequantize_tiled_k<4>(wt, at, scale, codebook, out, in, y, y_dtype, st)
+                : dequantize_tiled_k<2>(wt, at, scale, codebook, out, in, y, y_dtype, st);
 }
 
 #ifdef KBIT_TILED_TIMELINE
@@ -765,18 +885,18 @@ KBIT_API int kbit_tiled_timeline(unsigned long long* host, int n) {
 #endif
 
 KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at, const float* scale,
-                             const float* codebook, int64_t out, int64_t in, const void* bias, void* y, int kernel,
-                             void* stream) {
-  if (!tiled_shape(out, in) || M < 1 || M > 64 || kernel < KBIT_TILED_AUTO || kernel > KBIT_TILED_BATCH)
+                             const float* codebook, int k, int64_t out, int64_t in, const void* bias, void* y,
+                             int kernel, void* stream) {
+  if (!tiled_shape(out, in) || !tiled_k(k) || M < 1 || M > 64 || kernel < KBIT_TILED_AUTO || kernel > KBIT_TILED_BATCH)
     return (int)cudaErrorInvalidValue;
   cudaStream_t st = (cudaStream_t)stream;
   const uint8_t *w = (const uint8_t*)wt, *a = (const uint8_t*)at;
   if (x_dtype == BF16)
-    return gemv_tiled_launch<__nv_bfloat16>((const __nv_bfloat16*)x, (int)M, w, a, scale, codebook,
-                                            (const __nv_bfloat16*)bias, out, in, (__nv_bfloat16*)y, kernel, st);
+    return gemv_tiled_k<__nv_bfloat16>(k, (const __nv_bfloat16*)x, (int)M, w, a, scale, codebook,
+                                       (const __nv_bfloat16*)bias, out, in, (__nv_bfloat16*)y, kernel, st);
   if (x_dtype == F16)
-    return gemv_tiled_launch<__half>((const __half*)x, (int)M, w, a, scale, codebook, (const __half*)bias, out, in,
-                                     (__half*)y, kernel, st);
+    return gemv_tiled_k<__half>(k, (const __half*)x, (int)M, w, a, scale, codebook, (const __half*)bias, out, in,
+                                (__half*)y, kernel, st);
   return (int)cudaErrorInvalidValue;
 }
 

@@ -48,7 +48,9 @@ __all__ = [
 ]
 
 GEMV_MAX_M = 64  # the fused dequant-GEMV handles up to this many activation rows; more -> dequantize + cuBLAS
-_ABI_VERSION = 4  # csrc/kbit_quant.cu kbit_abi_version(); 2: kbit_gemv takes M <= 64; 3: the tiled layout; 4: kernel arg
+# csrc/kbit_quant.cu kbit_abi_version(); 2: kbit_gemv takes M <= 64; 3: the tiled layout; 4: kernel arg; 5: the tiled
+# functions take k (K = 2 tiled)
+_ABI_VERSION = 5
 # expert GEMV (one kernel, each row reads its expert's weights) up to this many rows; more -> per-expert matmuls
 # after one host sync. A MoE prefill of 64 tokens x top-8 is 512 rows: the per-expert loop launches several kernels
 # for each expert present and is launch-bound there, while re-reading an expert's weights per row mostly hits L2.
@@ -90,10 +92,10 @@ def _load():
             "kbit_dequantize": [vp, vp, i32, vp, vp, i32, i64, i64, i64, vp, i32, vp],
             "kbit_gemv": [vp, i32, i64, vp, vp, i32, vp, vp, i32, i64, i64, vp, vp, vp],
             "kbit_expert_gemv": [vp, i32, i64, vp, i64, vp, vp, i32, vp, vp, i32, i64, i64, vp, vp],
-            "kbit_tile": [vp, vp, i64, i64, vp, vp, vp],
-            "kbit_untile": [vp, vp, i64, i64, vp, vp, vp],
-            "kbit_dequantize_tiled": [vp, vp, vp, vp, i64, i64, vp, i32, vp],
-            "kbit_gemv_tiled": [vp, i32, i64, vp, vp, vp, vp, i64, i64, vp, vp, i32, vp],
+            "kbit_tile": [vp, vp, i32, i64, i64, vp, vp, vp],
+            "kbit_untile": [vp, vp, i32, i64, i64, vp, vp, vp],
+            "kbit_dequantize_tiled": [vp, vp, vp, vp, i32, i64, i64, vp, i32, vp],
+            "kbit_gemv_tiled": [vp, i32, i64, vp, vp, vp, vp, i32, i64, i64, vp, vp, i32, vp],
         }.items():
             fn = getattr(lib, name)
             fn.restype = i32
@@ -201,11 +203,11 @@ def _check_k(k: int) -> None:
 def _check_shapes(packed, absmax, scale, k, in_features):
     *lead, out, words = packed.shape
     nb = fmt.n_blocks(in_features)
-    if fmt.is_tiled(packed):  # uint8 [out, in / 2] (format.tile)
-        if (k != 4 or lead or words * 2 != in_features or tuple(absmax.shape) != (out, nb) or scale.numel() != 1
-                or not fmt.tileable(out, in_features, 4, "e4m4") or absmax.dtype != torch.uint8):
-            raise ValueError(f"not a tiled K = 4 weight for in_features={in_features}: packed "
-                             f"{tuple(packed.shape)}, absmax {absmax.dtype} {tuple(absmax.shape)}, k={k}")
+    if fmt.is_tiled(packed):  # uint8 [out, in * k / 8] (format.tile)
+        if (lead or words * 8 != in_features * k or tuple(absmax.shape) != (out, nb) or scale.numel() != 1
+                or not fmt.tileable(out, in_features, k, "e4m4") or absmax.dtype != torch.uint8):
+            raise ValueError(f"not a tiled K = {k} weight for in_features={in_features}: packed "
+                             f"{tuple(packed.shape)}, absmax {absmax.dtype} {tuple(absmax.shape)}")
         return
     if words != nb * k or tuple(absmax.shape) != (*lead, out, nb) or tuple(scale.shape) != tuple(lead):
         raise ValueError(
@@ -219,10 +221,10 @@ def _check_shapes(packed, absmax, scale, k, in_features):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the tiled layout of large K = 4 Linear weights (format.tile; csrc/kbit_tiled.cu)
+# the tiled layout of large K = 2 and K = 4 Linear weights (format.tile; csrc/kbit_tiled.cu)
 
-# KbitLinear tiles a weight with at least this many elements (a 4096 x 4096 layer measured even with v6 at M <= 4 and
-# slower at M = 16..32, 6144 x 4096 1.14-1.39x faster; docs/kernels.md, "Tiled layout")
+# KbitLinear tiles a weight with at least this many elements (K = 4: a 4096 x 4096 layer measured even with v6 at
+# M <= 4 and slower at M = 16..32, 6144 x 4096 1.14-1.39x faster; docs/kernels.md, "Tiled layout")
 TILED_MIN_NUMEL = 4096 * 4096 + 1
 _tiled_ok: dict[int, bool] = {}
 
@@ -249,30 +251,32 @@ def holds_tiled(out_features, in_features, k, absmax_format, device) -> bool:
             and out_features * in_features >= TILED_MIN_NUMEL and tiled_supported(device))
 
 
-def tile(packed, absmax, in_features):
+def tile(packed, absmax, in_features, k):
     """format.tile, on the GPU for CUDA tensors (bitwise the same bytes)."""
-    return _relayout("kbit_tile", fmt.tile, packed, absmax, in_features, (torch.uint32, 8), (torch.uint8, 2))
+    return _relayout("kbit_tile", fmt.tile, packed, absmax, in_features, k, (torch.uint32, 32 // k),
+                     (torch.uint8, 8 // k))
 
 
-def untile(wt, at, in_features):
+def untile(wt, at, in_features, k):
     """format.untile, on the GPU for CUDA tensors (bitwise the same bytes)."""
-    return _relayout("kbit_untile", fmt.untile, wt, at, in_features, (torch.uint8, 2), (torch.uint32, 8))
+    return _relayout("kbit_untile", fmt.untile, wt, at, in_features, k, (torch.uint8, 8 // k),
+                     (torch.uint32, 32 // k))
 
 
-def _relayout(kernel, reference_fn, w, a, in_features, src, dst):
+def _relayout(kernel, reference_fn, w, a, in_features, k, src, dst):
     """Bit planes <-> tiled: w is src = (dtype, in / columns), the result dst. CPU tensors, and what the layout cannot
     hold, go to the reference (which raises the error that names the problem)."""
     out = w.shape[0]
-    if (_lib is None or not w.is_cuda or w.dtype != src[0] or a.dtype != torch.uint8
+    if (_lib is None or not w.is_cuda or k not in fmt.TILED_K or w.dtype != src[0] or a.dtype != torch.uint8
             or tuple(w.shape) != (out, in_features // src[1]) or tuple(a.shape) != (out, in_features // 32)
-            or not fmt.tileable(out, in_features, 4, "e4m4")):
-        return reference_fn(w, a, in_features)
+            or not fmt.tileable(out, in_features, k, "e4m4")):
+        return reference_fn(w, a, in_features, k)
     kernel = getattr(_lib, kernel)
     w, a = w.contiguous(), a.contiguous()
     w2 = torch.empty((out, in_features // dst[1]), dtype=dst[0], device=w.device)
     a2 = torch.empty_like(a)
     with _on_device(w.device):
-        rc = kernel(w.data_ptr(), a.data_ptr(), out, in_features, w2.data_ptr(), a2.data_ptr(), _stream(w.device))
+        rc = kernel(w.data_ptr(), a.data_ptr(), k, out, in_features, w2.data_ptr(), a2.data_ptr(), _stream(w.device))
     _check(rc, kernel.__name__)
     return w2, a2
 
@@ -312,7 +316,7 @@ def dequantize_out(packed, absmax, scale, codebook, k, in_features, out):
     if fmt.is_tiled(packed):
         with _on_device(dev):
             rc = _lib.kbit_dequantize_tiled(packed.data_ptr(), absmax.data_ptr(), scale.data_ptr(),
-                                            _cb(codebook, dev, k).data_ptr(), rows, in_features, out.data_ptr(),
+                                            _cb(codebook, dev, k).data_ptr(), k, rows, in_features, out.data_ptr(),
                                             _DTYPE_CODE[out.dtype], _stream(dev))
         _check(rc, "dequantize (tiled)")
         return out
@@ -360,7 +364,7 @@ def _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bia
     """The one ctypes call of the fused GEMV (x fp16/bf16, codebook fp32 on x's device; no checks: hot path)."""
     if packed.dtype == torch.uint8:  # the tiled layout (format.tile)
         return _lib.kbit_gemv_tiled(x.data_ptr(), _DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
-                                    scale.data_ptr(), codebook.data_ptr(), out_f, in_features,
+                                    scale.data_ptr(), codebook.data_ptr(), k, out_f, in_features,
                                     0 if bias is None else bias.data_ptr(), y.data_ptr(), tiled_kernel, _stream(dev))
     return _lib.kbit_gemv(x.data_ptr(), _DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
                           1 if absmax.dtype == torch.float16 else 0, scale.data_ptr(), codebook.data_ptr(), k, out_f,
@@ -385,7 +389,7 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
         M = x.numel() // in_features
         tiled = packed.dtype == torch.uint8
         if 0 < M <= GEMV_MAX_M and (not tiled or tiled_supported(x.device)):
-            if packed.shape[1] != (in_features >> 1 if tiled else ((in_features + 31) >> 5) * k):
+            if packed.shape[1] != ((in_features * k) >> 3 if tiled else ((in_features + 31) >> 5) * k):
                 _check_shapes(packed, absmax, scale, k, in_features)
             if not x.is_contiguous():
                 x = x.contiguous()

@@ -202,19 +202,22 @@ def empty_quantized(shape: tuple[int, ...], k: int, absmax_format: str, device=N
             torch.empty(shapes["scale"], dtype=torch.float32, device=device))
 
 
-# ---- The tiled layout: how large K = 4 Linear weights sit in GPU memory (docs/kernels.md, "Tiled layout") ----
-# A byte permutation of (packed, absmax) with the same byte counts: packed becomes uint8 [out, in / 2] (that dtype is
-# what marks a tiled tensor), absmax keeps its shape. Checkpoints always hold the bit planes above.
-# Weights, 1 KB per (16-row tile t, 128-element chunk c): byte ((t * C + c) * 32 + l) * 32 + 8 b + 4 h + j, for
-# l = 4 g + q, b, q < 4, g < 8, h < 2, j < 4, is idx[e] | idx[e + 1] << 4 of row 16 t + g + 8 (j & 1) at element
-# e = 128 c + 32 b + 8 q + 4 h + 2 (j >> 1) (lane l's m16n8k16 A fragment of k slice (b, h)). Block scales, 64
-# bytes per (t, c): byte ((t * C + c) * 16 + r) * 4 + b is block 4 c + b of row 16 t + r.
+# ---- The tiled layout: how large K = 2 / 4 Linear weights sit in GPU memory (docs/kernels.md, "Tiled layout") ----
+# A permutation of the bits of (packed, absmax) with the same byte counts: packed becomes uint8 [out, in * K / 8]
+# (that dtype is what marks a tiled tensor), absmax keeps its shape. Checkpoints always hold the bit planes above.
+# Weights, 256 K bytes per (16-row tile t, 128-element chunk c), 8 K per lane l = 4 g + q (g < 8, q < 4): byte
+# ((t * C + c) * 32 + l) * 8 K + 2 K b + K h + 2 m + rh, for b < 4, h < 2, m < K / 2, rh < 2, holds the 8 / K indices
+# of row 16 t + g + 8 rh from element e = 128 c + 32 b + 8 q + 4 h + (8 / K) m on (index i at bits K i): lane l's
+# m16n8k16 A fragment of k slice (b, h). K = 4: byte 8 b + 4 h + j is the pair idx[e] | idx[e + 1] << 4 of row
+# g + 8 (j & 1) at e = .. + 2 (j >> 1); K = 2: byte 4 b + 2 h + rh holds elements e .. e + 3 (two pairs). Block
+# scales, 64 bytes per (t, c): byte ((t * C + c) * 16 + r) * 4 + b is block 4 c + b of row 16 t + r.
 TILE_ROWS = 16
 TILE_IN = 256  # in_features must be a multiple of this (two chunks: the GEMV's unit of work)
+TILED_K = (2, 4)
 
 
 def tileable(out_features: int, in_features: int, k: int, absmax_format: str) -> bool:
-    return k == 4 and absmax_format == "e4m4" and out_features % TILE_ROWS == 0 and in_features % TILE_IN == 0
+    return k in TILED_K and absmax_format == "e4m4" and out_features % TILE_ROWS == 0 and in_features % TILE_IN == 0
 
 
 def is_tiled(packed: torch.Tensor) -> bool:
@@ -226,36 +229,39 @@ def _tile_rows(out: int, in_features: int):
     return ((a, min(a + step, out)) for a in range(0, out, step))
 
 
-def tile(packed: torch.Tensor, absmax: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bit planes uint32 [out, in / 8] + e4m4 absmax [out, nb] -> the tiled layout (K = 4; see above)."""
+def tile(packed: torch.Tensor, absmax: torch.Tensor, in_features: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bit planes uint32 [out, in / 32 * k] + e4m4 absmax [out, nb] -> the tiled layout (K = 2 or 4; see above)."""
     out = packed.shape[0]
-    if packed.dtype != torch.uint32 or absmax.dtype != torch.uint8 or not tileable(out, in_features, 4, "e4m4") \
-            or tuple(packed.shape) != (out, in_features // 8) or tuple(absmax.shape) != (out, in_features // 32):
+    if packed.dtype != torch.uint32 or absmax.dtype != torch.uint8 or not tileable(out, in_features, k, "e4m4") \
+            or tuple(packed.shape) != (out, in_features // 32 * k) or tuple(absmax.shape) != (out, in_features // 32):
         raise ValueError(f"cannot tile packed {packed.dtype} {tuple(packed.shape)} / absmax {absmax.dtype} "
-                         f"{tuple(absmax.shape)} for in_features={in_features} (K = 4, e4m4, out % {TILE_ROWS}, "
-                         f"in % {TILE_IN})")
-    C = in_features // 128
-    wt = torch.empty((out, in_features // 2), dtype=torch.uint8, device=packed.device)
+                         f"{tuple(absmax.shape)} for k={k}, in_features={in_features} (K in {TILED_K}, e4m4, "
+                         f"out % {TILE_ROWS}, in % {TILE_IN})")
+    C, n = in_features // 128, 8 // k  # n indices per byte
+    wt = torch.empty((out, in_features * k // 8), dtype=torch.uint8, device=packed.device)
+    shifts = torch.arange(0, 8, k, device=packed.device)
     for a, b in _tile_rows(out, in_features):
-        idx = unpack_bitplanes(packed[a:b], 4).flatten(-2)  # [rows, in]
-        v = idx.view((b - a) // 16, 2, 8, C, 4, 4, 2, 2, 2)  # t, r, g, c, b, q, h, m, pair
-        pair = v[..., 0] | (v[..., 1] << 4)
-        wt[a:b] = pair.permute(0, 3, 2, 5, 4, 6, 7, 1).to(torch.uint8).reshape(b - a, -1)
+        idx = unpack_bitplanes(packed[a:b], k).flatten(-2)  # [rows, in]
+        v = idx.view((b - a) // 16, 2, 8, C, 4, 4, 2, k // 2, n)  # t, rh, g, c, b, q, h, m, index
+        byte = (v << shifts).sum(-1)
+        wt[a:b] = byte.permute(0, 3, 2, 5, 4, 6, 7, 1).to(torch.uint8).reshape(b - a, -1)
     at = absmax.view(out // 16, 16, C, 4).permute(0, 2, 1, 3).reshape(out, -1).clone()
     return wt, at
 
 
-def untile(wt: torch.Tensor, at: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `tile`: -> (packed uint32 [out, in / 8], absmax uint8 [out, nb])."""
+def untile(wt: torch.Tensor, at: torch.Tensor, in_features: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `tile`: -> (packed uint32 [out, in / 32 * k], absmax uint8 [out, nb])."""
     out = wt.shape[0]
-    if wt.dtype != torch.uint8 or tuple(wt.shape) != (out, in_features // 2) or not tileable(out, in_features, 4, "e4m4"):
-        raise ValueError(f"not a tiled K = 4 weight for in_features={in_features}: {wt.dtype} {tuple(wt.shape)}")
-    C = in_features // 128
-    packed = torch.empty((out, in_features // 8), dtype=torch.uint32, device=wt.device)
+    if wt.dtype != torch.uint8 or tuple(wt.shape) != (out, in_features * k // 8) \
+            or not tileable(out, in_features, k, "e4m4"):
+        raise ValueError(f"not a tiled K = {k} weight for in_features={in_features}: {wt.dtype} {tuple(wt.shape)}")
+    C, n = in_features // 128, 8 // k
+    packed = torch.empty((out, in_features // 32 * k), dtype=torch.uint32, device=wt.device)
+    shifts = torch.arange(0, 8, k, device=wt.device)
     for a, b in _tile_rows(out, in_features):
-        pair = wt[a:b].reshape((b - a) // 16, C, 8, 4, 4, 2, 2, 2).permute(0, 7, 2, 1, 4, 3, 5, 6).long()
-        idx = torch.stack((pair & 15, pair >> 4), dim=-1)  # t, r, g, c, b, q, h, m, pair
-        packed[a:b] = pack_bitplanes(idx.reshape(b - a, in_features // 32, 32), 4)
+        byte = wt[a:b].reshape((b - a) // 16, C, 8, 4, 4, 2, k // 2, 2).permute(0, 7, 2, 1, 4, 3, 5, 6).long()
+        idx = (byte.unsqueeze(-1) >> shifts) & ((1 << k) - 1)  # t, rh, g, c, b, q, h, m, index
+        packed[a:b] = pack_bitplanes(idx.reshape(b - a, in_features // 32, 32), k)
     absmax = at.view(out // 16, C, 16, 4).permute(0, 2, 1, 3).reshape(out, -1).clone()
     return packed, absmax
 
@@ -301,6 +307,7 @@ __all__ = [
     "check_finite",
     "TILE_ROWS",
     "TILE_IN",
+    "TILED_K",
     "tileable",
     "is_tiled",
     "tile",

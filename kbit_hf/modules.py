@@ -72,7 +72,7 @@ class KbitLinear(nn.Linear):
     def is_packed(self) -> bool:
         return self.weight.dtype in (torch.uint32, torch.uint8)
 
-    # ---- the tiled layout (format.tile): the GPU in-memory layout of large K = 4 weights on sm_90 ----------------
+    # ---- the tiled layout (format.tile): the GPU in-memory layout of large K = 2 / 4 weights on sm_90 ------------
     # `weight` / `weight_absmax` then hold a byte permutation of the bit planes (uint8 weight); state_dict() and
     # load_state_dict() still speak the bit planes, so checkpoints never see it.
     @property
@@ -100,7 +100,7 @@ class KbitLinear(nn.Linear):
             return True
         if not (self.tileable() or (force and self._layout_fits())):
             return False
-        wt, at = cuda_backend.tile(self.weight, self.weight_absmax, self.in_features)
+        wt, at = cuda_backend.tile(self.weight, self.weight_absmax, self.in_features, self.k)
         self.weight, self.weight_absmax = _frozen(wt), _frozen(at)
         return True
 
@@ -127,7 +127,7 @@ class KbitLinear(nn.Linear):
     def _bit_planes(self) -> tuple[torch.Tensor, torch.Tensor]:
         from . import cuda_backend
 
-        return cuda_backend.untile(self.weight, self.weight_absmax, self.in_features)
+        return cuda_backend.untile(self.weight, self.weight_absmax, self.in_features, self.k)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)

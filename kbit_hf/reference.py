@@ -73,11 +73,9 @@ def dequantize(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Inverse of `quantize` up to rounding: -> [..., out, in_features] in `dtype`. Also takes the tiled layout
-    (format.tile: uint8 packed, K = 4)."""
+    (format.tile: uint8 packed, K = 2 or 4)."""
     if fmt.is_tiled(packed):
-        if k != 4:
-            raise ValueError(f"a tiled weight is K = 4, not k={k}")
-        packed, absmax = fmt.untile(packed, absmax, in_features)
+        packed, absmax = fmt.untile(packed, absmax, in_features, k)
     *lead, out, words = packed.shape
     nb = fmt.n_blocks(in_features)
     if words != nb * k or tuple(absmax.shape) != (*lead, out, nb) or tuple(scale.shape) != tuple(lead):

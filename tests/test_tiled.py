@@ -15,18 +15,18 @@ from kbit_hf import reference
 from tiny_models import VOCAB, tiny_model
 
 
-def _quantized(out_f, in_f, seed=0):
+def _quantized(out_f, in_f, seed=0, k=4):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out_f, in_f, generator=g)
     w[0, :32] *= 1e-4  # a subnormal e4m4 block scale
-    return reference.quantize(w, fmt.nf0_codebook(4), 4, "e4m4")
+    return reference.quantize(w, fmt.nf0_codebook(k), k, "e4m4")
 
 
-def _tiled_by_definition(packed, absmax, out_f, in_f):
+def _tiled_by_definition(packed, absmax, out_f, in_f, k):
     """The layout byte by byte, exactly as format.py words it (slow; small shapes only)."""
-    idx = fmt.unpack_bitplanes(packed, 4).flatten(-2)
-    C = in_f // 128
-    wt = torch.empty(out_f * in_f // 2, dtype=torch.uint8)
+    idx = fmt.unpack_bitplanes(packed, k).flatten(-2)
+    C, n = in_f // 128, 8 // k
+    wt = torch.empty(out_f * in_f * k // 8, dtype=torch.uint8)
     at = torch.empty(out_f * in_f // 32, dtype=torch.uint8)
     for t in range(out_f // 16):
         for c in range(C):
@@ -34,63 +34,86 @@ def _tiled_by_definition(packed, absmax, out_f, in_f):
                 for q in range(4):
                     for b in range(4):
                         for h in range(2):
-                            for j in range(4):
-                                r, e = 16 * t + g + 8 * (j & 1), 128 * c + 32 * b + 8 * q + 4 * h + 2 * (j >> 1)
-                                wt[((t * C + c) * 32 + 4 * g + q) * 32 + 8 * b + 4 * h + j] = \
-                                    int(idx[r, e]) | int(idx[r, e + 1]) << 4
+                            for m in range(k // 2):
+                                for rh in range(2):
+                                    r, e = 16 * t + g + 8 * rh, 128 * c + 32 * b + 8 * q + 4 * h + n * m
+                                    byte = sum(int(idx[r, e + i]) << (k * i) for i in range(n))
+                                    wt[((t * C + c) * 32 + 4 * g + q) * 8 * k + 2 * k * b + k * h + 2 * m + rh] = byte
             for r in range(16):
                 for b in range(4):
                     at[((t * C + c) * 16 + r) * 4 + b] = absmax[16 * t + r, 4 * c + b]
     return wt.view(out_f, -1), at.view(out_f, -1)
 
 
+def test_k4_layout_pairs():
+    """K = 4 in the words of the ninth session: byte 8 b + 4 h + j is the pair idx[e] | idx[e + 1] << 4 of row
+    g + 8 (j & 1) at e = 128 c + 32 b + 8 q + 4 h + 2 (j >> 1)."""
+    packed, absmax, _ = _quantized(16, 256)
+    idx = fmt.unpack_bitplanes(packed, 4).flatten(-2)
+    wt = fmt.tile(packed, absmax, 256, 4)[0].flatten()
+    for c, g, q, b, h, j in ((0, 0, 0, 0, 0, 0), (1, 7, 3, 3, 1, 3), (1, 2, 1, 2, 0, 1), (0, 5, 2, 1, 1, 2)):
+        r, e = g + 8 * (j & 1), 128 * c + 32 * b + 8 * q + 4 * h + 2 * (j >> 1)
+        assert int(wt[(c * 32 + 4 * g + q) * 32 + 8 * b + 4 * h + j]) == int(idx[r, e]) | int(idx[r, e + 1]) << 4
+
+
+@pytest.mark.parametrize("k", fmt.TILED_K)
 @pytest.mark.parametrize("out_f,in_f", [(16, 256), (32, 512)])
-def test_tile_matches_the_definition_and_round_trips(out_f, in_f):
-    packed, absmax, _ = _quantized(out_f, in_f)
-    wt, at = fmt.tile(packed, absmax, in_f)
-    want_w, want_a = _tiled_by_definition(packed, absmax, out_f, in_f)
-    assert wt.dtype == torch.uint8 and wt.shape == (out_f, in_f // 2) and at.shape == absmax.shape
+def test_tile_matches_the_definition_and_round_trips(out_f, in_f, k):
+    packed, absmax, _ = _quantized(out_f, in_f, k=k)
+    wt, at = fmt.tile(packed, absmax, in_f, k)
+    want_w, want_a = _tiled_by_definition(packed, absmax, out_f, in_f, k)
+    assert wt.dtype == torch.uint8 and wt.shape == (out_f, in_f * k // 8) and at.shape == absmax.shape
     assert torch.equal(wt, want_w) and torch.equal(at, want_a)
-    p2, a2 = fmt.untile(wt, at, in_f)
+    p2, a2 = fmt.untile(wt, at, in_f, k)
     assert torch.equal(p2, packed) and torch.equal(a2, absmax)
 
 
-def test_tile_round_trip_many_tiles():
-    packed, absmax, _ = _quantized(4096, 512)  # several row chunks of format._tile_rows
-    p2, a2 = fmt.untile(*fmt.tile(packed, absmax, 512), 512)
+@pytest.mark.parametrize("k", fmt.TILED_K)
+def test_tile_round_trip_many_tiles(k):
+    packed, absmax, _ = _quantized(4096, 512, k=k)  # several row chunks of format._tile_rows
+    p2, a2 = fmt.untile(*fmt.tile(packed, absmax, 512, k), 512, k)
     assert torch.equal(p2, packed) and torch.equal(a2, absmax)
 
 
 def test_tile_refuses_what_the_layout_cannot_hold():
     packed, absmax, _ = _quantized(16, 256)
     with pytest.raises(ValueError, match="cannot tile"):
-        fmt.tile(packed, absmax, 255)
+        fmt.tile(packed, absmax, 255, 4)
     p3, a3, _ = reference.quantize(torch.randn(20, 256), fmt.nf0_codebook(4), 4, "e4m4")  # out % 16 != 0
     with pytest.raises(ValueError, match="cannot tile"):
-        fmt.tile(p3, a3, 256)
+        fmt.tile(p3, a3, 256, 4)
     p4, a4, _ = reference.quantize(torch.randn(16, 256), fmt.nf0_codebook(4), 4, "fp16")
     with pytest.raises(ValueError, match="cannot tile"):
-        fmt.tile(p4, a4, 256)
+        fmt.tile(p4, a4, 256, 4)
+    p5, a5, _ = _quantized(16, 256, k=3)
+    with pytest.raises(ValueError, match="cannot tile"):  # K = 3 has no tiled layout
+        fmt.tile(p5, a5, 256, 3)
+    with pytest.raises(ValueError, match="cannot tile"):  # K = 4 planes called K = 2
+        fmt.tile(packed, absmax, 256, 2)
     with pytest.raises(ValueError, match="not a tiled"):
-        fmt.untile(packed, absmax, 256)
+        fmt.untile(packed, absmax, 256, 4)
 
 
-def test_reference_ops_read_the_tiled_layout():
-    packed, absmax, scale = _quantized(48, 768)
-    cb = fmt.nf0_codebook(4)
-    wt, at = fmt.tile(packed, absmax, 768)
+@pytest.mark.parametrize("k", fmt.TILED_K)
+def test_reference_ops_read_the_tiled_layout(k):
+    packed, absmax, scale = _quantized(48, 768, k=k)
+    cb = fmt.nf0_codebook(k)
+    wt, at = fmt.tile(packed, absmax, 768, k)
     for dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(reference.dequantize(wt, at, scale, cb, 4, 768, dtype),
-                           reference.dequantize(packed, absmax, scale, cb, 4, 768, dtype))
+        assert torch.equal(reference.dequantize(wt, at, scale, cb, k, 768, dtype),
+                           reference.dequantize(packed, absmax, scale, cb, k, 768, dtype))
     x = torch.randn(3, 768, dtype=torch.bfloat16)
-    assert torch.equal(reference.linear(x, wt, at, scale, cb, 4, 768), reference.linear(x, packed, absmax, scale, cb,
-                                                                                           4, 768))
-    with pytest.raises(ValueError, match="K = 4"):
-        reference.dequantize(wt, at, scale, cb, 3, 768)
+    assert torch.equal(reference.linear(x, wt, at, scale, cb, k, 768), reference.linear(x, packed, absmax, scale, cb,
+                                                                                           k, 768))
+    other = 6 - k  # a tiled K = 4 weight read as K = 2, and the other way round
+    with pytest.raises(ValueError, match=f"not a tiled K = {other}"):
+        reference.dequantize(wt, at, scale, fmt.nf0_codebook(other), other, 768)
+    with pytest.raises(ValueError, match="not a tiled K = 3"):
+        reference.dequantize(wt, at, scale, fmt.nf0_codebook(3), 3, 768)
 
 
-def _layer(out_f=32, in_f=256, bias=True):
-    layer = KbitLinear(in_f, out_f, bias, 4, "e4m4", fmt.nf0_codebook(4), pre_quantized=False, dtype=torch.bfloat16)
+def _layer(out_f=32, in_f=256, bias=True, k=4):
+    layer = KbitLinear(in_f, out_f, bias, k, "e4m4", fmt.nf0_codebook(k), pre_quantized=False, dtype=torch.bfloat16)
     w = torch.randn(out_f, in_f, dtype=torch.bfloat16)
     for name, t in layer.quantize_param("weight", w).items():
         setattr(layer, name, torch.nn.Parameter(t, requires_grad=False))
@@ -99,8 +122,9 @@ def _layer(out_f=32, in_f=256, bias=True):
     return layer
 
 
-def test_kbit_linear_tiled_forward_and_state_dict():
-    layer = _layer()
+@pytest.mark.parametrize("k", fmt.TILED_K)
+def test_kbit_linear_tiled_forward_and_state_dict(k):
+    layer = _layer(k=k)
     x = torch.randn(5, 256, dtype=torch.bfloat16)
     y0 = layer(x)
     sd0 = {k: v.clone() for k, v in layer.state_dict().items()}
@@ -110,7 +134,7 @@ def test_kbit_linear_tiled_forward_and_state_dict():
     sd = layer.state_dict()
     assert set(sd) == set(sd0) and all(torch.equal(sd[k], sd0[k]) and sd[k].dtype == sd0[k].dtype for k in sd)
     # load_state_dict into a tiled layer: the bit planes go in, the layer stays tiled
-    other = _layer()
+    other = _layer(k=k)
     other.tile_(force=True)
     other.load_state_dict(sd0)
     assert other.is_tiled and torch.equal(other(x), y0)
@@ -121,6 +145,7 @@ def test_kbit_linear_tiled_forward_and_state_dict():
 def test_kbit_linear_does_not_tile_what_the_layout_cannot_hold():
     assert not _layer(out_f=24).tile_(force=True)  # out % 16
     assert not _layer(in_f=160).tile_(force=True)  # in % 256
+    assert not _layer(k=3).tile_(force=True) and not _layer(k=5).tile_(force=True)
 
 
 def test_save_pretrained_of_a_tiled_model_writes_bit_planes(tmp_path):

@@ -143,10 +143,10 @@ def run(args) -> int:
         print(f"{k:>3} {us:9.1f} {nbytes / us / 1e3:8.0f} {pct:6.1f}%")
         results["dequantize"].append({"k": k, "shape": [do, di], "us": us, "pct_copy": pct})
         if cuda.holds_tiled(do, di, k, "e4m4", torch.device("cuda")):  # KbitLinear holds it tiled (format.tile)
-            wt, at = cuda.tile(p, a, di)
+            wt, at = cuda.tile(p, a, di, k)
             us = _time_graph([lambda o=o: cuda.dequantize_out(wt, at, s, cb, k, di, o) for o in outs], repeats)
             pct = 100 * nbytes / (us * 1e-6) / bw
-            print(f"{'4 tiled':>3} {us:9.1f} {nbytes / us / 1e3:8.0f} {pct:6.1f}%")
+            print(f"{f'{k} tiled':>3} {us:9.1f} {nbytes / us / 1e3:8.0f} {pct:6.1f}%")
             results["dequantize"].append({"k": k, "layout": "tiled", "shape": [do, di], "us": us, "pct_copy": pct})
             del wt, at
         del p, a, s, outs, fns
@@ -209,7 +209,7 @@ def run(args) -> int:
                 y = torch.empty(M, out_f, device="cuda", dtype=torch.bfloat16)
                 tiled = cuda.holds_tiled(out_f, in_f, k, "e4m4", torch.device("cuda"))
                 if tiled:  # KbitLinear holds this weight in the tiled layout: time that, and the bit planes too
-                    tcopies = [cuda.tile(c[0], c[1], in_f) for c in copies]
+                    tcopies = [cuda.tile(c[0], c[1], in_f, k) for c in copies]
                     us = _time_graph([lambda c=c: cuda.linear_out(x, c[0], c[1], s0, cb, k, in_f, None, y)
                                       for c in tcopies], repeats)
                     rows.append((f"kbit K={k}", us, kbytes + io_bytes))

@@ -102,7 +102,7 @@ def main():
             kbytes = p0.numel() * 4 + a0.numel()
             copies = [(p0, a0)] + [(p0.clone(), a0.clone()) for _ in range(_n_copies(kbytes) - 1)]
             if not a.planes and cuda.holds_tiled(out_f, in_f, k, "e4m4", torch.device("cuda")):
-                copies = [cuda.tile(c[0], c[1], in_f) for c in copies]  # the layout KbitLinear holds
+                copies = [cuda.tile(c[0], c[1], in_f, k) for c in copies]  # the layout KbitLinear holds
             for M in (int(v) for v in a.m.split(",")):
                 x = torch.randn(M, in_f, device="cuda", dtype=torch.bfloat16)
                 y = torch.empty(M, out_f, device="cuda", dtype=torch.bfloat16)

@@ -17,7 +17,7 @@ w = torch.randn(out, inp, device="cuda", dtype=torch.bfloat16)
 cb = fmt.nf0_codebook(k).cuda()
 packed, absmax, scale = cuda_backend.quantize(w, cb, k, "e4m4")
 if cuda_backend.holds_tiled(out, inp, k, "e4m4", w.device):  # what KbitLinear holds (KBIT_TILED=0: the bit planes)
-    packed, absmax = cuda_backend.tile(packed, absmax, inp)
+    packed, absmax = cuda_backend.tile(packed, absmax, inp, k)
 x = torch.randn(1, inp, device="cuda", dtype=torch.bfloat16)
 for _ in range(5):
     y = cuda_backend.linear(x, packed, absmax, scale, cb, k, inp)

@@ -3,6 +3,8 @@
     compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_driver.py
 """
 
+import itertools
+
 import torch
 
 from kbit_hf import cuda_backend as cuda
@@ -38,15 +40,16 @@ def main():
                     ids = torch.tensor([0, 1, -1, 2, 1], device="cuda")
                     cuda.expert_linear(x, ids, p, a, s, cb, k, shape[-1])
                     n += 1
-    # the tiled layout (K = 4, e4m4; the GEMV on sm_90 only): tile, untile, dequantize, GEMV for each token-tile count
-    cb = fmt.nf0_codebook(4).cuda()
-    for shape in [(48, 512), (272, 768)]:
-        p, a, s = cuda.quantize(torch.randn(shape, device="cuda"), cb, 4, "e4m4")
-        wt, at = cuda.tile(p, a, shape[1])
-        cuda.untile(wt, at, shape[1])
+    # the tiled layout (K = 2, 4, e4m4; the GEMV on sm_90 only): tile, untile, dequantize, GEMV for each token-tile
+    # count
+    for k, shape in itertools.product(fmt.TILED_K, [(48, 512), (272, 768)]):
+        cb = fmt.nf0_codebook(k).cuda()
+        p, a, s = cuda.quantize(torch.randn(shape, device="cuda"), cb, k, "e4m4")
+        wt, at = cuda.tile(p, a, shape[1], k)
+        cuda.untile(wt, at, shape[1], k)
         n += 2
         for odt in (torch.float32, torch.float16, torch.bfloat16):
-            cuda.dequantize(wt, at, s, cb, 4, shape[1], odt)
+            cuda.dequantize(wt, at, s, cb, k, shape[1], odt)
             n += 1
         if cuda.tiled_supported(torch.device("cuda")):
             for kernel in (1, 2):  # the per-warp-range and the batched kernel (csrc/kbit_api.h)
@@ -54,7 +57,7 @@ def main():
                 for xdt in (torch.bfloat16, torch.float16):
                     for M in (1, 8, 9, 17, 33, 64):
                         x = torch.randn(M, shape[1], device="cuda", dtype=xdt)
-                        cuda.linear(x, wt, at, s, cb, 4, shape[1], torch.randn(shape[0], device="cuda", dtype=xdt))
+                        cuda.linear(x, wt, at, s, cb, k, shape[1], torch.randn(shape[0], device="cuda", dtype=xdt))
                         n += 1
             cuda.tiled_kernel = 0
     torch.cuda.synchronize()

@@ -1,6 +1,6 @@
 """GPU tests of the tiled layout (csrc/kbit_tiled.cu): the tile / untile kernels against format.tile, the dequantize
 bitwise against the bit-plane kernel, the GEMV (M = 1..64) against float64, CUDA graphs, and KbitLinear /
-from_pretrained tiling large K = 4 layers on sm_90."""
+from_pretrained tiling large K = 2 and K = 4 layers on sm_90."""
 
 import functools
 
@@ -25,35 +25,37 @@ def _sm90():
     return torch.cuda.get_device_capability()[0] >= 9
 
 
-@functools.lru_cache(maxsize=8)
-def _quantized(shape):
+@functools.lru_cache(maxsize=16)
+def _quantized(shape, k=4):
     g = torch.Generator().manual_seed(shape[0] * 3 + shape[1])
     w = torch.randn(shape, generator=g)
     w[1, 32:64] *= 1e-5  # a subnormal e4m4 block scale
-    return reference.quantize(w, fmt.nf0_codebook(4), 4, "e4m4")
+    return reference.quantize(w, fmt.nf0_codebook(k), k, "e4m4")
 
 
+@pytest.mark.parametrize("k", fmt.TILED_K)
 @pytest.mark.parametrize("shape", TILED_SHAPES, ids=str)
-def test_tile_kernels_match_the_format(shape):
+def test_tile_kernels_match_the_format(shape, k):
     cuda = _cuda()
-    p, a, _ = _quantized(shape)
-    wt, at = cuda.tile(p.cuda(), a.cuda(), shape[1])
-    rw, ra = fmt.tile(p, a, shape[1])
+    p, a, _ = _quantized(shape, k)
+    wt, at = cuda.tile(p.cuda(), a.cuda(), shape[1], k)
+    rw, ra = fmt.tile(p, a, shape[1], k)
     assert torch.equal(wt.cpu(), rw) and torch.equal(at.cpu(), ra)
-    p2, a2 = cuda.untile(wt, at, shape[1])
+    p2, a2 = cuda.untile(wt, at, shape[1], k)
     assert torch.equal(p2.cpu(), p) and torch.equal(a2.cpu(), a)
 
 
+@pytest.mark.parametrize("k", fmt.TILED_K)
 @pytest.mark.parametrize("shape", TILED_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16, torch.bfloat16), ids=str)
-def test_dequantize_tiled_is_bitwise_the_bit_plane_kernel(shape, dtype):
+def test_dequantize_tiled_is_bitwise_the_bit_plane_kernel(shape, dtype, k):
     cuda = _cuda()
-    p, a, s = (t.cuda() for t in _quantized(shape))
-    cb = fmt.nf0_codebook(4).cuda()
-    wt, at = cuda.tile(p, a, shape[1])
-    got = cuda.dequantize(wt, at, s, cb, 4, shape[1], dtype)
-    assert torch.equal(got, cuda.dequantize(p, a, s, cb, 4, shape[1], dtype))
-    assert torch.equal(torch.ops.kbit.dequantize(wt, at, s, cb, 4, shape[1], dtype), got)
+    p, a, s = (t.cuda() for t in _quantized(shape, k))
+    cb = fmt.nf0_codebook(k).cuda()
+    wt, at = cuda.tile(p, a, shape[1], k)
+    got = cuda.dequantize(wt, at, s, cb, k, shape[1], dtype)
+    assert torch.equal(got, cuda.dequantize(p, a, s, cb, k, shape[1], dtype))
+    assert torch.equal(torch.ops.kbit.dequantize(wt, at, s, cb, k, shape[1], dtype), got)
 
 
 @pytest.fixture(params=("auto", "range", "batch"))
@@ -63,38 +65,40 @@ def tiled_kernel(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("k", fmt.TILED_K)
 @pytest.mark.parametrize("shape", TILED_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 @pytest.mark.parametrize("M", (1, 2, 5, 8, 9, 16, 17, 32, 33, 40, 64, 65))
-def test_gemv_tiled(shape, dtype, M, tiled_kernel):
+def test_gemv_tiled(shape, dtype, M, tiled_kernel, k):
     if not _sm90():
         pytest.skip("the tiled GEMV is sm_90")
     if M == 65 and tiled_kernel != "auto":
         pytest.skip("M = 65 is the dequantize + cuBLAS path")
     cuda = _cuda()
     out_f, in_f = shape
-    cb = fmt.nf0_codebook(4)
-    p, a, s = _quantized(shape)
+    cb = fmt.nf0_codebook(k)
+    p, a, s = _quantized(shape, k)
     g = torch.Generator().manual_seed(out_f + in_f + M)
     x = torch.randn(M, in_f, generator=g).to(dtype)
     bias = torch.randn(out_f, generator=g).to(dtype) if M % 2 else None
-    ref, mag = _ref_linear64(x, p, a, s, cb, 4, in_f, bias)
-    wt, at = cuda.tile(p.cuda(), a.cuda(), in_f)
+    ref, mag = _ref_linear64(x, p, a, s, cb, k, in_f, bias)
+    wt, at = cuda.tile(p.cuda(), a.cuda(), in_f, k)
     xb, bb, cb_, s_ = x.cuda(), None if bias is None else bias.cuda(), cb.cuda(), s.cuda()
-    y = cuda.linear(xb, wt, at, s_, cb_, 4, in_f, bb)  # M = 65: dequantize (tiled) + cuBLAS
+    y = cuda.linear(xb, wt, at, s_, cb_, k, in_f, bb)  # M = 65: dequantize (tiled) + cuBLAS
     _assert_linear_close(y, ref, mag, dtype, rel_w=GEMV_REL_W[dtype])
-    assert torch.equal(cuda.linear(xb, wt, at, s_, cb_, 4, in_f, bb), y)  # deterministic
-    _assert_linear_close(torch.ops.kbit.linear(xb, wt, at, s_, cb_, 4, in_f, bb), ref, mag, dtype,
+    assert torch.equal(cuda.linear(xb, wt, at, s_, cb_, k, in_f, bb), y)  # deterministic
+    _assert_linear_close(torch.ops.kbit.linear(xb, wt, at, s_, cb_, k, in_f, bb), ref, mag, dtype,
                          rel_w=GEMV_REL_W[dtype])
     if M <= 64:
         out = torch.full((M, out_f), float("nan"), dtype=dtype, device="cuda")
-        cuda.linear_out(xb, wt, at, s_, cb_, 4, in_f, bb, out)
+        cuda.linear_out(xb, wt, at, s_, cb_, k, in_f, bb, out)
         assert torch.equal(out, y)
 
 
+@pytest.mark.parametrize("k", fmt.TILED_K)
 @pytest.mark.parametrize("x_scale", (2.0**-30, 2.0**-12, 2.0**12), ids=str)
 @pytest.mark.parametrize("M", (1, 9, 20, 64))
-def test_gemv_tiled_activation_range(x_scale, M, tiled_kernel):
+def test_gemv_tiled_activation_range(x_scale, M, tiled_kernel, k):
     """Very small and large bf16 activations (bf16 carries the block scales as raw bits against a table scaled by
     2^32: kbit_tiled.cu, Fold and Scaled), on a weight whose rows 0..15 have only subnormal e4m4 block scales. (fp16
     decodes each scale as the other kernels do; its outputs for these rows would be fp16 subnormals.)"""
@@ -106,13 +110,13 @@ def test_gemv_tiled_activation_range(x_scale, M, tiled_kernel):
     g = torch.Generator().manual_seed(M)
     w = torch.randn(out_f, in_f, generator=g)
     w[:16] *= 1e-5
-    cb = fmt.nf0_codebook(4)
-    p, a, s = reference.quantize(w, cb, 4, "e4m4")
+    cb = fmt.nf0_codebook(k)
+    p, a, s = reference.quantize(w, cb, k, "e4m4")
     assert (a[:16].int() < 16).all() and (a[16:].int() >= 16).all()  # rows 0..15: every block scale subnormal
     x = (torch.randn(M, in_f, generator=g) * x_scale).to(dtype)
-    ref, mag = _ref_linear64(x, p, a, s, cb, 4, in_f, None)
-    wt, at = cuda.tile(p.cuda(), a.cuda(), in_f)
-    y = cuda.linear(x.cuda(), wt, at, s.cuda(), cb.cuda(), 4, in_f)
+    ref, mag = _ref_linear64(x, p, a, s, cb, k, in_f, None)
+    wt, at = cuda.tile(p.cuda(), a.cuda(), in_f, k)
+    y = cuda.linear(x.cuda(), wt, at, s.cuda(), cb.cuda(), k, in_f)
     _assert_linear_close(y, ref, mag, dtype, rel_w=GEMV_REL_W[dtype])
     # the small rows on their own scale: their outputs are about 1e-5 of the others'
     _assert_linear_close(y[:, :16], ref[:, :16], mag[:, :16], dtype, rel_w=GEMV_REL_W[dtype])
@@ -128,7 +132,7 @@ def test_gemv_tiled_unaligned_activations(M):
     out_f, in_f = 272, 768
     p, a, s = _quantized((out_f, in_f))
     cb = fmt.nf0_codebook(4)
-    wt, at = cuda.tile(p.cuda(), a.cuda(), in_f)
+    wt, at = cuda.tile(p.cuda(), a.cuda(), in_f, 4)
     x = torch.randn(M * in_f + 2, device="cuda", dtype=torch.bfloat16)[2:].view(M, in_f)
     assert x.is_contiguous() and x.data_ptr() % 16 != 0
     y = cuda.linear(x, wt, at, s.cuda(), cb.cuda(), 4, in_f)
@@ -137,35 +141,36 @@ def test_gemv_tiled_unaligned_activations(M):
         cuda.linear_out(x, wt, at, s.cuda(), cb.cuda(), 4, in_f, None, torch.empty_like(y))
 
 
-def test_tiled_cuda_graph_capture():
+@pytest.mark.parametrize("k", fmt.TILED_K)
+def test_tiled_cuda_graph_capture(k):
     if not _sm90():
         pytest.skip("the tiled GEMV is sm_90")
     cuda = _cuda()
     out_f, in_f = 6144, 4096
-    p, a, s = (t.cuda() for t in _quantized((out_f, in_f)))
-    cb = fmt.nf0_codebook(4).cuda()
-    wt, at = cuda.tile(p, a, in_f)
+    p, a, s = (t.cuda() for t in _quantized((out_f, in_f), k))
+    cb = fmt.nf0_codebook(k).cuda()
+    wt, at = cuda.tile(p, a, in_f, k)
     x = torch.randn(3, in_f, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(3, out_f, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        cuda.linear_out(x, wt, at, s, cb, 4, in_f, None, y)
+        cuda.linear_out(x, wt, at, s, cb, k, in_f, None, y)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        cuda.linear_out(x, wt, at, s, cb, 4, in_f, None, y)
+        cuda.linear_out(x, wt, at, s, cb, k, in_f, None, y)
     x.copy_(torch.randn_like(x))
     y.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(y, cuda.linear(x, wt, at, s, cb, 4, in_f))
+    assert torch.equal(y, cuda.linear(x, wt, at, s, cb, k, in_f))
 
 
-def _layer(out_f, in_f, dtype=torch.bfloat16):
+def _layer(out_f, in_f, dtype=torch.bfloat16, k=4):
     from kbit_hf import KbitLinear
 
-    layer = KbitLinear(in_f, out_f, True, 4, "e4m4", fmt.nf0_codebook(4), pre_quantized=False, dtype=dtype,
+    layer = KbitLinear(in_f, out_f, True, k, "e4m4", fmt.nf0_codebook(k), pre_quantized=False, dtype=dtype,
                        device="cuda")
     for name, t in layer.quantize_param("weight", torch.randn(out_f, in_f, device="cuda", dtype=dtype)).items():
         setattr(layer, name, torch.nn.Parameter(t, requires_grad=False))
@@ -173,28 +178,31 @@ def _layer(out_f, in_f, dtype=torch.bfloat16):
     return layer
 
 
-def test_kbit_linear_tiles_large_layers_on_sm90():
-    big, small = _layer(6144, 4096), _layer(4096, 4096)
+@pytest.mark.parametrize("k", fmt.TILED_K)
+def test_kbit_linear_tiles_large_layers_on_sm90(k):
+    big, small = _layer(6144, 4096, k=k), _layer(4096, 4096, k=k)
     assert big.tile_() == _sm90() and not small.tile_()  # 4096 x 4096 is not worth it (docs/kernels.md)
+    assert not _layer(6144, 4096, k=3).tile_()  # K = 3 has no tiled layout
     if not _sm90():
         return
     sd = big.state_dict()  # the bit planes
-    assert sd["weight"].dtype == torch.uint32 and sd["weight"].shape == fmt.packed_shapes((6144, 4096), 4)["packed"]
+    assert sd["weight"].dtype == torch.uint32 and sd["weight"].shape == fmt.packed_shapes((6144, 4096), k)["packed"]
     for M in (1, 16, 100):
         x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
         y = big(x)
         ref, mag = _ref_linear64(x.cpu(), sd["weight"].cpu(), sd["weight_absmax"].cpu(), sd["weight_scale"].cpu(),
-                                 sd["weight_codebook"].cpu(), 4, 4096, sd["bias"].cpu())
+                                 sd["weight_codebook"].cpu(), k, 4096, sd["bias"].cpu())
         _assert_linear_close(y, ref, mag, torch.bfloat16, rel_w=GEMV_REL_W[torch.bfloat16])
 
 
-def test_kbit_linear_device_moves_choose_the_layout():
+@pytest.mark.parametrize("k", fmt.TILED_K)
+def test_kbit_linear_device_moves_choose_the_layout(k):
     """.cpu() untiles, .cuda() tiles where KbitLinear holds the weight tiled (as from_pretrained places it); the
     bit planes come back unchanged and the outputs stay within the GEMV tolerance of the reference."""
-    layer = _layer(6144, 4096)
+    layer = _layer(6144, 4096, k=k)
     sd = {n: t.cpu() for n, t in layer.state_dict().items()}  # the bit planes
     x = torch.randn(3, 4096, device="cuda", dtype=torch.bfloat16)
-    ref, mag = _ref_linear64(x.cpu(), sd["weight"], sd["weight_absmax"], sd["weight_scale"], sd["weight_codebook"], 4,
+    ref, mag = _ref_linear64(x.cpu(), sd["weight"], sd["weight_absmax"], sd["weight_scale"], sd["weight_codebook"], k,
                              4096, sd["bias"])
     layer.cpu()
     assert not layer.is_tiled and torch.equal(layer.weight, sd["weight"])
@@ -208,7 +216,8 @@ def test_kbit_linear_device_moves_choose_the_layout():
     assert torch.equal(layer.weight_absmax, sd["weight_absmax"])
 
 
-def test_from_pretrained_tiles_large_layers_and_saves_bit_planes(tmp_path):
+@pytest.mark.parametrize("k", fmt.TILED_K)
+def test_from_pretrained_tiles_large_layers_and_saves_bit_planes(tmp_path, k):
     if not _sm90():
         pytest.skip("the tiled GEMV is sm_90")
     from transformers import AutoModelForCausalLM
@@ -219,7 +228,7 @@ def test_from_pretrained_tiles_large_layers_and_saves_bit_planes(tmp_path):
     fp = tmp_path / "fp"
     tiny_model("llama", hidden_size=4096, intermediate_size=4352, num_hidden_layers=1, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128).save_pretrained(fp)
-    model = AutoModelForCausalLM.from_pretrained(fp, quantization_config=KbitConfig(k=4), device_map="cuda")
+    model = AutoModelForCausalLM.from_pretrained(fp, quantization_config=KbitConfig(k=k), device_map="cuda")
     tiled = {n for n, m in model.named_modules() if isinstance(m, KbitLinear) and m.is_tiled}
     assert tiled == {f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
     ids = torch.randint(0, 64, (1, 5), device="cuda")

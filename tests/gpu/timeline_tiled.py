@@ -29,8 +29,8 @@ def main():
     for sh in sys.argv[1:] or ["14336x4096", "28672x8192"]:
         out_f, in_f = (int(v) for v in sh.split("x"))
         p0, a0, s0, cb = _kbit_weights(out_f, in_f, 4)
-        copies = [cuda.tile(p0, a0, in_f)]
-        copies += [cuda.tile(p0.clone(), a0.clone(), in_f) for _ in range(_n_copies(p0.numel() * 4) - 1)]
+        copies = [cuda.tile(p0, a0, in_f, 4)]
+        copies += [cuda.tile(p0.clone(), a0.clone(), in_f, 4) for _ in range(_n_copies(p0.numel() * 4) - 1)]
         x = torch.randn(1, in_f, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(1, out_f, device="cuda", dtype=torch.bfloat16)
         for rep in range(3 * len(copies)):
