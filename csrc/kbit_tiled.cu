@@ -710,10 +710,10 @@ __global__ void dequant_tiled_kernel(const uint8_t* __restrict__ wt, const uint8
     const float d[2] = {e4m4_decode(s0), e4m4_decode(s1)};
     float v[2][8];  // [row g / g + 8][element 8 q + ..]
 #pragma unroll
-    for (int B = 0; B < 2 * K; ++B) {
-      const TiledByte<K> p(2 * K * b + B);
+    for (int B = 0; B < 2 * K; ++B) {  // byte 2 K b + B of the lane's chunk: its place inside the block is B's
+      const TiledByte<K> p(B);            // (compile-time indices: v stays in registers)
       const uint32_t byte = (wd[B >> 2] >> (8 * (B & 3))) & 0xFFu;
-      const int e = p.element(q) - 32 * b - 8 * q;
+      const int e = p.element(0);
 #pragma unroll
       for (int k = 0; k < 8 / K; ++k) {
         const float c = __shfl_sync(0xFFFFFFFFu, cb, (int)((byte >> (K * k)) & ((1u << K) - 1)));

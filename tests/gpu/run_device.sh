@@ -9,7 +9,7 @@ t0=$(date +%s)
 . "$(dirname "$0")/build_lib.sh"  # in-tree build unless KBIT_CUDA_LIB is carried
 python3 -c "import kbit_hf.cuda_backend as c; print('library:', c.available(), c.library_path())"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout 300 python3 -m pytest tests/gpu -q -x -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+  timeout 480 python3 -m pytest tests/gpu -q -x -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
 if [ "${SKIP_SAN:-0}" != 1 ]; then
