@@ -20,9 +20,10 @@
 // mbarrier per slot, lane 0 issues; TMA, sm_90). The pair table (build_pair_table: 256 rows, one per byte value, of
 // 32 replicas) lies at the shared-window address 0x10000 + 256 * byte + ENTRY * lane, so one PRMT of a weight byte
 // with table_lane(lane) is the whole address of a conflict-free lookup (K = 2: an 8-byte lookup gives two A
-// registers). NT tiles of 8 tokens share each looked-up A operand. Tiles inside a warp's range are stored by that
-// warp; the first and last tile of each range go through shared memory (the table's space, after the loop) and are
-// summed in warp order: deterministic, no atomics.
+// registers; 2 of each item's 8 blocks are decoded by PRMTs from the codebook in registers instead, which takes load
+// off the shared-memory pipe that binds K = 2). NT tiles of 8 tokens share each looked-up A operand. Tiles inside a
+// warp's range are stored by that warp; the first and last tile of each range go through shared memory (the table's
+// space, after the loop) and are summed in warp order: deterministic, no atomics.
 // The batched GEMV (gemv_tiled_batch_kernel, M = 9..64 on layers of many tiles) has its own comment below.
 #include "kbit_api.h"
 #include "kbit_common.cuh"
@@ -140,6 +141,41 @@ __device__ __forceinline__ void lookup_block(const uint32_t (&w)[Tiled<K>::WORDS
       }
     }
   }
+}
+
+// K = 2 without shared memory: the 4 codebook values (in T, times the table factor) as a word of their low bytes (lo)
+// and one of their high bytes (hi); PRMT(lo, hi, selector nibbles i0, 4 + i0, i1, 4 + i1) is the pair
+// (cb[i0], cb[i1]). Decodes the A operands of one block (word w: byte 2 h + rh holds i0..i3 of registers a_rh (i0,
+// i1) and a_rh+2 (i2, i3) of k slice h) with integer operations only, to take lookups off the shared-memory pipe,
+// which binds the K = 2 GEMV (docs/kernels.md, eleventh session).
+struct K2Regs {
+  uint32_t lo, hi;
+};
+// blocks of each 8-block item that the K = 2 range kernel decodes in registers (H100, M = 1: 2 of 8 measured 1.01-1.10x
+// the table alone, 3 and 4 in between, all 8 slower: the integer pipe then binds; docs/results/tiled_k2, run 9)
+constexpr int K2_REG_BLOCKS = 2;
+template <typename T>
+__device__ __forceinline__ K2Regs k2_regs(float cb_lane, float factor) {
+  K2Regs r{0u, 0u};
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const uint32_t v = Mma<T>::pack(__shfl_sync(0xFFFFFFFFu, cb_lane, c) * factor, 0.f);
+    r.lo |= (v & 0xFFu) << (8 * c);
+    r.hi |= ((v >> 8) & 0xFFu) << (8 * c);
+  }
+  return r;
+}
+__device__ __forceinline__ void decode_k2_regs(uint32_t w, K2Regs cr, uint32_t (&A)[2][4]) {
+#pragma unroll
+  for (int s = 0; s < 2; ++s)      // bytes s (k slice 0) and s + 2 (k slice 1): row half rh = s
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {  // the byte's pair p: indices 2 p, 2 p + 1
+      // indices (2 p, 2 p + 1) of byte s into bytes 0, 1 and of byte s + 2 into bytes 2, 3; then the selectors
+      uint32_t t = (((w >> (8 * s + 4 * p)) & 0x000F000Fu) * 0x41u) & 0x03030303u;
+      t = t * 0x11u + 0x40404040u;
+      A[0][s + 2 * p] = prmt(cr.lo, cr.hi, t);
+      A[1][s + 2 * p] = prmt(cr.lo, cr.hi, t >> 16);
+    }
 }
 
 // The asynchronous-copy and mbarrier instructions below are sm_90's; for older targets they compile to nothing
@@ -329,6 +365,8 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
         asm volatile("prefetch.global.L1 [%0];" ::"l"(x16 + xo[nt] + 32u * (u0 - tf * IPT) + 4 * kb));
   }
   build_pair_table<T, K, NW * 32>(win, cb_lane, TiledScales<T>::SUM_TABLE);
+  K2Regs cr{0u, 0u};
+  if constexpr (K == 2) cr = k2_regs<T>(cb_lane, TiledScales<T>::SUM_TABLE);
   __syncthreads();
   KBIT_STAMP(1);
   const uint32_t cl = table_lane<K>(lane);
@@ -397,7 +435,10 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       const uint32_t sg = kb < 4 ? a0 : a2, sh = kb < 4 ? a1 : a3;
       const int bb = kb & 3;
       uint32_t A[2][4];
-      lookup_block<K>(w, kb, cl, A);
+      if (K == 2 && kb < K2_REG_BLOCKS)  // some blocks decoded in registers (K2Regs)
+        decode_k2_regs(w[kb], cr, A);
+      else
+        lookup_block<K>(w, kb, cl, A);
       const float s0 = TiledScales<T>::sum_scale((sg >> (8 * bb)) & 0xFFu);
       const float s1 = TiledScales<T>::sum_scale((sh >> (8 * bb)) & 0xFFu);
       uint4 xc[NT > 1 ? NT : 1];
