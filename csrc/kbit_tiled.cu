@@ -669,10 +669,10 @@ __global__ void tile_kernel(const uint32_t* __restrict__ packed, const uint8_t* 
     uint32_t word = 0;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const TiledByte<K> at_(4 * wi + j);
-      const int64_t r = 16 * t + g + 8 * at_.rh;
-      const int e = at_.element(q) - 32 * at_.b;  // inside block 4 c + b
-      const uint32_t* p = packed + (r * nb + 4 * c + at_.b) * K;
+      const TiledByte<K> pos(4 * wi + j);
+      const int64_t r = 16 * t + g + 8 * pos.rh;
+      const int e = pos.element(q) - 32 * pos.b;  // inside block 4 c + b
+      const uint32_t* p = packed + (r * nb + 4 * c + pos.b) * K;
       uint32_t byte = 0;
 #pragma unroll
       for (int pl = 0; pl < K; ++pl) {

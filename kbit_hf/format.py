@@ -255,7 +255,7 @@ def untile(wt: torch.Tensor, at: torch.Tensor, in_features: int, k: int) -> tupl
     if wt.dtype != torch.uint8 or tuple(wt.shape) != (out, in_features * k // 8) \
             or not tileable(out, in_features, k, "e4m4"):
         raise ValueError(f"not a tiled K = {k} weight for in_features={in_features}: {wt.dtype} {tuple(wt.shape)}")
-    C, n = in_features // 128, 8 // k
+    C = in_features // 128
     packed = torch.empty((out, in_features // 32 * k), dtype=torch.uint32, device=wt.device)
     shifts = torch.arange(0, 8, k, device=wt.device)
     for a, b in _tile_rows(out, in_features):
