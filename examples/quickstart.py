@@ -81,7 +81,7 @@ def main() -> None:
     print(f"saved folder {args.out}: {folder_mb(args.out):.1f} MB on disk "
           f"(fp32 source folder {folder_mb(folder):.1f} MB; embeddings/head stay fp32)")
     print(f"load + quantize: {load_s:.1f} s; reload of the saved kbit folder: {reload_s:.1f} s")
-    print(f"generation: {new_tokens} tokens in {gen_s:.1f} s = {new_tokens / gen_s:.1f} tokens/s")
+    print(f"generation: {new_tokens} tokens in {gen_s:.1f} s = {new_tokens / gen_s:.3g} tokens/s")
     print(f"reloaded logits identical to the quantized model's: {same}")
     if not same:
         raise SystemExit("reloaded logits differ from the quantized model's")
