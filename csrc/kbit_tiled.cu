@@ -29,6 +29,7 @@
 #include "kbit_common.cuh"
 
 #include <cuda_runtime.h>
+#include <type_traits>
 
 using namespace kbit;
 
@@ -48,9 +49,15 @@ struct Tiled {
   static_assert(K == 2 || K == 4, "the tiled layout holds K = 2 and K = 4");
   static constexpr uint32_t CHUNK_W = 256 * K, ITEM_W = 2 * CHUNK_W, ITEM = ITEM_W + ITEM_A;
   static constexpr int WORDS = 4 * K;          // 32-bit words of weights per lane and item
-  static constexpr uint32_t ENTRY = 16 / K;    // bytes per pair-table entry: 4 (one pair), 8 (two pairs)
-  static constexpr uint32_t LANE_SHIFT = K == 4 ? 2 : 3;  // replica l of an entry at byte ENTRY * l of its row
+  static constexpr uint32_t ENTRY = 16 / K;    // bytes per pair-table entry (4: one pair, 8: two); replica l at ENTRY l
 };
+// a stage of the batched kernel's ring: NT * 8 token rows of activations (576-byte rows, see the kernel), then NW
+// items' weights and NW items' scales
+constexpr uint32_t XROW = 576;
+template <int K, int NW, int NT>
+constexpr uint32_t batch_stage_bytes() {
+  return NT * 8 * XROW + NW * Tiled<K>::ITEM;
+}
 // Window address of ring slot i of SB bytes (as many slots as fit below the table, the rest from RING), and the end
 // of the window that nslots need.
 template <uint32_t SB>
@@ -107,7 +114,7 @@ __device__ __forceinline__ void build_pair_table(unsigned char* win, float cb_la
 // lane's replica
 template <int K>
 __device__ __forceinline__ uint32_t table_lane(int lane) {
-  return 0x0100u | ((uint32_t)lane << Tiled<K>::LANE_SHIFT);
+  return 0x0100u | (uint32_t)lane * Tiled<K>::ENTRY;
 }
 // this lane's weight words of the item in the ring slot at sl: 8 K bytes of each chunk
 template <int K>
@@ -541,7 +548,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
   __trap();  // sm_90 only: the launcher refuses other devices
 #endif
   using L = Tiled<K>;
-  constexpr uint32_t XROW = 576, XB = NT * 8 * XROW, STAGE = XB + NW * L::ITEM;
+  constexpr uint32_t XB = NT * 8 * XROW, STAGE = batch_stage_bytes<K, NW, NT>();
   constexpr uint32_t FULL = BARS, EMPTY = BARS + 8 * XS;
   static_assert(BARS + 16 * XS <= LOW, "shared-memory map");
   extern __shared__ __align__(128) unsigned char smem[];
@@ -807,8 +814,7 @@ template <typename T, int K, int NW, int XS, int NT>
 int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                         const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
   static bool attr_set[64] = {};
-  constexpr uint32_t STAGE = NT * 8 * 576 + NW * Tiled<K>::ITEM;
-  const int dyn = (int)ring_end<STAGE>(XS);
+  const int dyn = (int)ring_end<batch_stage_bytes<K, NW, NT>()>(XS);
   if (!attr_set[dev]) {
     const cudaError_t e = cudaFuncSetAttribute(gemv_tiled_batch_kernel<T, K, NW, XS, NT>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
@@ -872,14 +878,14 @@ int dequantize_tiled_k(const void* wt, const void* at, const float* scale, const
   }
 }
 
-template <typename T>
-int gemv_tiled_k(int k, const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
-                 const T* bias, int64_t out, int64_t in, T* y, int kernel, cudaStream_t st) {
-  return k == 4 ? gemv_tiled_launch<T, 4>(x, M, wt, at, scale, cb, bias, out, in, y, kernel, st)
-                : gemv_tiled_launch<T, 2>(x, M, wt, at, scale, cb, bias, out, in, y, kernel, st);
+// The one place where k becomes the template argument K: f(std::integral_constant<int, K>) for k = 2 or 4, or
+// cudaErrorInvalidValue.
+template <typename F>
+int with_tiled_k(int k, F&& f) {
+  if (k == 4) return f(std::integral_constant<int, 4>{});
+  if (k == 2) return f(std::integral_constant<int, 2>{});
+  return (int)cudaErrorInvalidValue;
 }
-
-bool tiled_k(int k) { return k == 2 || k == 4; }
 
 }  // namespace
 
@@ -887,35 +893,30 @@ extern "C" {
 
 KBIT_API int kbit_tile(const uint32_t* packed, const void* absmax, int k, int64_t out, int64_t in, void* wt, void* at,
                        void* stream) {
-  if (!tiled_shape(out, in) || !tiled_k(k)) return (int)cudaErrorInvalidValue;
-  const int grid = grid_for_threads(out * in * k / 32);
-  cudaStream_t st = (cudaStream_t)stream;
-  if (k == 4)
-    tile_kernel<4><<<grid, 256, 0, st>>>(packed, (const uint8_t*)absmax, out, (int)in, (uint32_t*)wt, (uint8_t*)at);
-  else
-    tile_kernel<2><<<grid, 256, 0, st>>>(packed, (const uint8_t*)absmax, out, (int)in, (uint32_t*)wt, (uint8_t*)at);
-  return (int)cudaGetLastError();
+  if (!tiled_shape(out, in)) return (int)cudaErrorInvalidValue;
+  return with_tiled_k(k, [&](auto kc) {
+    tile_kernel<kc.value><<<grid_for_threads(out * in * kc.value / 32), 256, 0, (cudaStream_t)stream>>>(
+        packed, (const uint8_t*)absmax, out, (int)in, (uint32_t*)wt, (uint8_t*)at);
+    return (int)cudaGetLastError();
+  });
 }
 
 KBIT_API int kbit_untile(const void* wt, const void* at, int k, int64_t out, int64_t in, uint32_t* packed, void* absmax,
                          void* stream) {
-  if (!tiled_shape(out, in) || !tiled_k(k)) return (int)cudaErrorInvalidValue;
-  const int grid = grid_for_threads(out * in / 32);
-  cudaStream_t st = (cudaStream_t)stream;
-  const uint8_t *w = (const uint8_t*)wt, *a = (const uint8_t*)at;
-  if (k == 4)
-    untile_kernel<4><<<grid, 256, 0, st>>>(w, a, out, (int)in, packed, (uint8_t*)absmax);
-  else
-    untile_kernel<2><<<grid, 256, 0, st>>>(w, a, out, (int)in, packed, (uint8_t*)absmax);
-  return (int)cudaGetLastError();
+  if (!tiled_shape(out, in)) return (int)cudaErrorInvalidValue;
+  return with_tiled_k(k, [&](auto kc) {
+    untile_kernel<kc.value><<<grid_for_threads(out * in / 32), 256, 0, (cudaStream_t)stream>>>(
+        (const uint8_t*)wt, (const uint8_t*)at, out, (int)in, packed, (uint8_t*)absmax);
+    return (int)cudaGetLastError();
+  });
 }
 
 KBIT_API int kbit_dequantize_tiled(const void* wt, const void* at, const float* scale, const float* codebook, int k,
                                    int64_t out, int64_t in, void* y, int y_dtype, void* stream) {
-  if (!tiled_shape(out, in) || !tiled_k(k)) return (int)cudaErrorInvalidValue;
-  cudaStream_t st = (cudaStream_t)stream;
-  return k == 4 ? dequantize_tiled_k<4>(wt, at, scale, codebook, out, in, y, y_dtype, st)
-                : dequantize_tiled_k<2>(wt, at, scale, codebook, out, in, y, y_dtype, st);
+  if (!tiled_shape(out, in)) return (int)cudaErrorInvalidValue;
+  return with_tiled_k(k, [&](auto kc) {
+    return dequantize_tiled_k<kc.value>(wt, at, scale, codebook, out, in, y, y_dtype, (cudaStream_t)stream);
+  });
 }
 
 #ifdef KBIT_TILED_TIMELINE
@@ -928,17 +929,20 @@ KBIT_API int kbit_tiled_timeline(unsigned long long* host, int n) {
 KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at, const float* scale,
                              const float* codebook, int k, int64_t out, int64_t in, const void* bias, void* y,
                              int kernel, void* stream) {
-  if (!tiled_shape(out, in) || !tiled_k(k) || M < 1 || M > 64 || kernel < KBIT_TILED_AUTO || kernel > KBIT_TILED_BATCH)
+  if (!tiled_shape(out, in) || M < 1 || M > 64 || kernel < KBIT_TILED_AUTO || kernel > KBIT_TILED_BATCH)
     return (int)cudaErrorInvalidValue;
   cudaStream_t st = (cudaStream_t)stream;
   const uint8_t *w = (const uint8_t*)wt, *a = (const uint8_t*)at;
-  if (x_dtype == BF16)
-    return gemv_tiled_k<__nv_bfloat16>(k, (const __nv_bfloat16*)x, (int)M, w, a, scale, codebook,
-                                       (const __nv_bfloat16*)bias, out, in, (__nv_bfloat16*)y, kernel, st);
-  if (x_dtype == F16)
-    return gemv_tiled_k<__half>(k, (const __half*)x, (int)M, w, a, scale, codebook, (const __half*)bias, out, in,
-                                (__half*)y, kernel, st);
-  return (int)cudaErrorInvalidValue;
+  return with_tiled_k(k, [&](auto kc) {
+    constexpr int K = kc.value;
+    if (x_dtype == BF16)
+      return gemv_tiled_launch<__nv_bfloat16, K>((const __nv_bfloat16*)x, (int)M, w, a, scale, codebook,
+                                                 (const __nv_bfloat16*)bias, out, in, (__nv_bfloat16*)y, kernel, st);
+    if (x_dtype == F16)
+      return gemv_tiled_launch<__half, K>((const __half*)x, (int)M, w, a, scale, codebook, (const __half*)bias, out,
+                                          in, (__half*)y, kernel, st);
+    return (int)cudaErrorInvalidValue;
+  });
 }
 
 }  // extern "C"

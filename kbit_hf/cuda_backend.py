@@ -253,27 +253,27 @@ def holds_tiled(out_features, in_features, k, absmax_format, device) -> bool:
 
 def tile(packed, absmax, in_features, k):
     """format.tile, on the GPU for CUDA tensors (bitwise the same bytes)."""
-    return _relayout("kbit_tile", fmt.tile, packed, absmax, in_features, k, (torch.uint32, 32 // k),
-                     (torch.uint8, 8 // k))
+    return _relayout("kbit_tile", fmt.tile, packed, absmax, in_features, k, to_tiled=True)
 
 
 def untile(wt, at, in_features, k):
     """format.untile, on the GPU for CUDA tensors (bitwise the same bytes)."""
-    return _relayout("kbit_untile", fmt.untile, wt, at, in_features, k, (torch.uint8, 8 // k),
-                     (torch.uint32, 32 // k))
+    return _relayout("kbit_untile", fmt.untile, wt, at, in_features, k, to_tiled=False)
 
 
-def _relayout(kernel, reference_fn, w, a, in_features, k, src, dst):
-    """Bit planes <-> tiled: w is src = (dtype, in / columns), the result dst. CPU tensors, and what the layout cannot
-    hold, go to the reference (which raises the error that names the problem)."""
+def _relayout(kernel, reference_fn, w, a, in_features, k, to_tiled):
+    """Bit planes (uint32 [out, in / 32 * k]) <-> tiled (uint8 [out, in * k / 8]). CPU tensors, and what the layout
+    cannot hold, go to the reference (which raises the error that names the problem)."""
     out = w.shape[0]
-    if (_lib is None or not w.is_cuda or k not in fmt.TILED_K or w.dtype != src[0] or a.dtype != torch.uint8
-            or tuple(w.shape) != (out, in_features // src[1]) or tuple(a.shape) != (out, in_features // 32)
+    planes, tiled = (torch.uint32, in_features // 32 * k), (torch.uint8, in_features * k // 8)
+    src, dst = (planes, tiled) if to_tiled else (tiled, planes)
+    if (_lib is None or not w.is_cuda or w.dtype != src[0] or a.dtype != torch.uint8
+            or tuple(w.shape) != (out, src[1]) or tuple(a.shape) != (out, in_features // 32)
             or not fmt.tileable(out, in_features, k, "e4m4")):
         return reference_fn(w, a, in_features, k)
     kernel = getattr(_lib, kernel)
     w, a = w.contiguous(), a.contiguous()
-    w2 = torch.empty((out, in_features // dst[1]), dtype=dst[0], device=w.device)
+    w2 = torch.empty((out, dst[1]), dtype=dst[0], device=w.device)
     a2 = torch.empty_like(a)
     with _on_device(w.device):
         rc = kernel(w.data_ptr(), a.data_ptr(), k, out, in_features, w2.data_ptr(), a2.data_ptr(), _stream(w.device))
