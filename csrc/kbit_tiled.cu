@@ -38,18 +38,20 @@ namespace {
 // fixed shared-window addresses (the dynamic shared memory starts at or below BARS: checked in the kernel)
 constexpr uint32_t BARS = 0x1000;    // NW * S mbarriers
 constexpr uint32_t LOW = 0x1400;     // the first ring slots, below the table
-constexpr uint32_t TABLE = 0x10000;  // the pair table (256 rows of 256 bytes; K = 4 uses 128); after the main loop, the
-                                     // boundary partials [NW][2][NT][32 lanes][4] floats
-constexpr uint32_t RING = 0x20000;   // the other ring slots
+constexpr uint32_t TABLE = 0x10000;  // the pair table (K = 2, 4: 256 rows of 256 bytes, K = 4 uses 128 of each; K = 5:
+                                     // two such windows); after the main loop, the boundary partials
+                                     // [NW][2][NT][32 lanes][4] floats
 constexpr uint32_t ITEM_A = 128;     // block-scale bytes of an item (16 rows x 256 elements)
-// Per-K sizes of the layout (K = 2, 4: a byte holds 8 / K indices): per (tile, chunk) each lane holds 8 K bytes,
-// 2 K per block; an item (2 chunks) is 512 K bytes of weights and 128 of scales.
+// Per-K sizes of the layout: per (tile, chunk) each lane holds 8 K bytes (K = 2, 4: 2 K per block; K = 5: K = 4's 32
+// bytes of low nibbles, then 8 bytes of high bits); an item (2 chunks) is 512 K bytes of weights and 128 of scales.
 template <int K>
 struct Tiled {
-  static_assert(K == 2 || K == 4, "the tiled layout holds K = 2 and K = 4");
+  static_assert(K == 2 || K == 4 || K == 5, "the tiled layout holds K = 2, 4 and 5");
   static constexpr uint32_t CHUNK_W = 256 * K, ITEM_W = 2 * CHUNK_W, ITEM = ITEM_W + ITEM_A;
-  static constexpr int WORDS = 4 * K;          // 32-bit words of weights per lane and item
-  static constexpr uint32_t ENTRY = 16 / K;    // bytes per pair-table entry (4: one pair, 8: two); replica l at ENTRY l
+  static constexpr int WORDS = 4 * K;               // 32-bit words of weights per lane and item
+  static constexpr uint32_t ENTRY = K == 2 ? 8 : 4;  // bytes per pair-table entry (4: one pair, 8: two); replica l at
+                                                     // ENTRY l
+  static constexpr uint32_t RING = K == 5 ? 0x30000 : 0x20000;  // the table's end: the other ring slots
 };
 // a stage of the batched kernel's ring: NT * 8 token rows of activations (576-byte rows, see the kernel), then NW
 // items' weights and NW items' scales
@@ -58,16 +60,16 @@ template <int K, int NW, int NT>
 constexpr uint32_t batch_stage_bytes() {
   return NT * 8 * XROW + NW * Tiled<K>::ITEM;
 }
-// Window address of ring slot i of SB bytes (as many slots as fit below the table, the rest from RING), and the end
-// of the window that nslots need.
-template <uint32_t SB>
+// Window address of ring slot i of SB bytes (as many slots as fit below the table, the rest from the table's end),
+// and the end of the window that nslots need.
+template <int K, uint32_t SB>
 __host__ __device__ constexpr uint32_t ring_addr(uint32_t i) {
   constexpr uint32_t NLOW = (TABLE - LOW) / SB;
-  return i < NLOW ? LOW + i * SB : RING + (i - NLOW) * SB;
+  return i < NLOW ? LOW + i * SB : Tiled<K>::RING + (i - NLOW) * SB;
 }
-template <uint32_t SB>
+template <int K, uint32_t SB>
 __host__ __device__ constexpr uint32_t ring_end(uint32_t nslots) {
-  return nslots <= (TABLE - LOW) / SB ? RING : ring_addr<SB>(nslots);
+  return nslots <= (TABLE - LOW) / SB ? Tiled<K>::RING : ring_addr<K, SB>(nslots);
 }
 
 __device__ __forceinline__ uint32_t lds_at(uint32_t addr) {
@@ -89,62 +91,97 @@ __device__ __forceinline__ uint2 lds64_at(uint32_t addr) {
 // The pair table: 256 rows of 256 bytes at TABLE + 256 * byte, one per value of a weight byte, each holding 32
 // replicas of its entry (lane l reads replica l: conflict-free). K = 4: a byte is a pair of indices (lo | hi << 4),
 // its entry (cb[lo], cb[hi]) in T (4 bytes, half the row used); K = 2: a byte is two pairs (idx[e] << 2 i, i < 4),
-// its entry both pairs' values (8 bytes, the row full). Built from each lane's codebook entry cb_lane = cb[lane %
-// 2^K] by shuffles, times factor (TiledScales), by all NTHREADS threads of the CTA (whole rounds: the shuffles need
-// full warps).
+// its entry both pairs' values (8 bytes, the row full). K = 5: a pair is its byte of low nibbles and its two high bits
+// h0, h1; its entry (cb[lo | h0 << 4], cb[hi | h1 << 4]) sits in row half h0 of window h1 (TABLE + 0x10000 h1 +
+// 256 byte + 128 h0): 128 KB. Built from each lane's codebook entry cb_lane = cb[lane % 2^K] by shuffles, times
+// factor (TiledScales), by all NTHREADS threads of the CTA (whole rounds: the shuffles need full warps).
 template <typename T, int K, int NTHREADS>
 __device__ __forceinline__ void build_pair_table(unsigned char* win, float cb_lane, float factor) {
-  constexpr int SPR = 2 * Tiled<K>::ENTRY;  // 16-byte stores per row
+  constexpr int SPR = 2 * Tiled<K>::ENTRY;     // 16-byte stores per row (K = 5: per row half)
+  constexpr int ROWS = K == 5 ? 1024 : 256;    // K = 5: row halves
   auto cb = [&](uint32_t i) { return __shfl_sync(0xFFFFFFFFu, cb_lane, (int)i) * factor; };
-  for (int i0 = 0; i0 < 256 * SPR; i0 += NTHREADS) {
+  for (int i0 = 0; i0 < ROWS * SPR; i0 += NTHREADS) {
     const int i = i0 + (int)threadIdx.x;
-    const uint32_t P = (uint32_t)(i / SPR) & 255u;
+    const uint32_t R = (uint32_t)(i / SPR) & (ROWS - 1);
     uint4 v;
-    if constexpr (K == 4) {
-      const uint32_t w = Mma<T>::pack(cb(P & 15u), cb(P >> 4));
+    uint32_t at;
+    if constexpr (K == 5) {  // R = (h1, byte, h0)
+      const uint32_t P = (R >> 1) & 255u, h0 = R & 1u, h1 = R >> 9;
+      const uint32_t w = Mma<T>::pack(cb((P & 15u) | h0 << 4), cb((P >> 4) | h1 << 4));
       v = make_uint4(w, w, w, w);
+      at = TABLE + 0x10000u * h1 + 256 * P + 128 * h0;
+    } else if constexpr (K == 4) {
+      const uint32_t w = Mma<T>::pack(cb(R & 15u), cb(R >> 4));
+      v = make_uint4(w, w, w, w);
+      at = TABLE + 256 * R;
     } else {
-      const uint32_t w0 = Mma<T>::pack(cb(P & 3u), cb((P >> 2) & 3u)), w1 = Mma<T>::pack(cb((P >> 4) & 3u), cb(P >> 6));
+      const uint32_t w0 = Mma<T>::pack(cb(R & 3u), cb((R >> 2) & 3u)), w1 = Mma<T>::pack(cb((R >> 4) & 3u), cb(R >> 6));
       v = make_uint4(w0, w1, w0, w1);
+      at = TABLE + 256 * R;
     }
-    if (i < 256 * SPR) *reinterpret_cast<uint4*>(win + TABLE + 256 * P + 16 * (i % SPR)) = v;
+    if (i < ROWS * SPR) *reinterpret_cast<uint4*>(win + at + 16 * (i % SPR)) = v;
   }
 }
 // this lane's part of a table address: PRMT(weight word, table_lane, 0x6504 | j << 4) = TABLE + 256 * byte j + the
-// lane's replica
+// lane's replica (K = 5 adds the high bits: lookup_block)
 template <int K>
 __device__ __forceinline__ uint32_t table_lane(int lane) {
   return 0x0100u | (uint32_t)lane * Tiled<K>::ENTRY;
 }
-// this lane's weight words of the item in the ring slot at sl: 8 K bytes of each chunk
+// this lane's weight words of the item in the ring slot at sl: 8 K bytes of each chunk. K = 5: words 0..15 are the
+// low nibbles as K = 4's (8 per chunk), words 16 + 2 c, 17 + 2 c chunk c's high bits
 template <int K>
 __device__ __forceinline__ void load_item_words(uint32_t sl, int lane, uint32_t (&w)[Tiled<K>::WORDS]) {
+  constexpr int KL = K == 5 ? 4 : K;  // the bytes read as K = KL's
+  constexpr uint32_t LANE_B = 8 * KL;
 #pragma unroll
-  for (int i = 0; i < K; ++i) {
-    const uint4 v = lds128_at(sl + (i / (K / 2)) * Tiled<K>::CHUNK_W + lane * 8 * K + (i % (K / 2)) * 16);
+  for (int i = 0; i < KL; ++i) {
+    const uint4 v = lds128_at(sl + (i / (KL / 2)) * Tiled<K>::CHUNK_W + lane * LANE_B + (i % (KL / 2)) * 16);
     w[4 * i] = v.x;
     w[4 * i + 1] = v.y;
     w[4 * i + 2] = v.z;
     w[4 * i + 3] = v.w;
   }
+  if constexpr (K == 5) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const uint2 v = lds64_at(sl + c * Tiled<K>::CHUNK_W + 32 * 32 + lane * 8);
+      w[16 + 2 * c] = v.x;
+      w[17 + 2 * c] = v.y;
+    }
+  }
 }
 // the A operands of block kb of the item (k slices h = 0, 1 of m16n8k16): A[h][j] is register a_j of slice h (j & 1:
 // row g + 8), straight from the table. K = 4: one lookup per register; K = 2: one 8-byte lookup per two (a_rh and
-// a_rh+2: the two pairs of a byte)
+// a_rh+2: the two pairs of a byte). K = 5: K = 4's lookup, the pair's two high bits added to the address: high word
+// w[16 + kb / 2] holds register (h, j)'s bits at 16 h + 8 (kb & 1) + 2 j (+ 1), so one shift, mask and add put the
+// bits of (0, j) and (1, j) into H = [lane byte | h0 << 7, 1 + h1, lane byte | h0' << 7, 1 + h1'], and a PRMT takes
+// the address bytes (lane byte, weight byte j, window byte, the window byte's sign: 0) from H and the weight word.
 template <int K>
 __device__ __forceinline__ void lookup_block(const uint32_t (&w)[Tiled<K>::WORDS], int kb, uint32_t cl,
                                              uint32_t (&A)[2][4]) {
+  if constexpr (K == 5) {
+    const uint32_t hw = w[16 + kb / 2], base = cl * 0x10001u;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if constexpr (K == 4) {
+    for (int j = 0; j < 4; ++j) {
+      const int sh = 8 * (kb & 1) + 2 * j;  // bit of (0, j)'s h0: to bit 7
+      const uint32_t H = ((sh >= 7 ? hw >> (sh - 7) : hw << (7 - sh)) & 0x01800180u) + base;
+      A[0][j] = lds_at(prmt(w[2 * kb], H, 0xD504u | (uint32_t)j << 4));
+      A[1][j] = lds_at(prmt(w[2 * kb + 1], H, 0xF706u | (uint32_t)j << 4));
+    }
+  } else {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) A[h][j] = lds_at(prmt(w[2 * kb + h], cl, 0x6504u | (uint32_t)j << 4));
-    } else {
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (K == 4) {
 #pragma unroll
-      for (int rh = 0; rh < 2; ++rh) {
-        const uint2 v = lds64_at(prmt(w[kb], cl, 0x6504u | (uint32_t)(2 * h + rh) << 4));
-        A[h][rh] = v.x;
-        A[h][rh + 2] = v.y;
+        for (int j = 0; j < 4; ++j) A[h][j] = lds_at(prmt(w[2 * kb + h], cl, 0x6504u | (uint32_t)j << 4));
+      } else {
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+          const uint2 v = lds64_at(prmt(w[kb], cl, 0x6504u | (uint32_t)(2 * h + rh) << 4));
+          A[h][rh] = v.x;
+          A[h][rh + 2] = v.y;
+        }
       }
     }
   }
@@ -324,11 +361,11 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
   unsigned char* win = smem - base;  // win + window address = generic pointer
-  static_assert(BARS + NW * S * 8 <= LOW && NW * 2 * NT * 512 <= RING - TABLE, "shared-memory map");
+  static_assert(BARS + NW * S * 8 <= LOW && NW * 2 * NT * 512 <= 0x10000, "shared-memory map");
   uint32_t dsz;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsz));
   using L = Tiled<K>;
-  if (base > BARS || base + dsz < ring_end<L::ITEM>(NW * S)) __trap();
+  if (base > BARS || base + dsz < ring_end<K, L::ITEM>(NW * S)) __trap();
   // the warp index through a shuffle: the compiler then knows it is warp-uniform and keeps the bulk-copy operands in
   // uniform registers (no per-lane loop around each copy)
   const int lane = threadIdx.x & 31, warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
@@ -352,7 +389,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   if (lane == 0) {
     for (int s = 0; s < S; ++s) mbar_init(wbar + 8 * s, 1);
     for (int s = 0; s < S && u0 + s < u1; ++s)
-      fetch_item<K>(ring_addr<L::ITEM>(warp * S + s), wsrc + (int64_t)(u0 + s) * L::ITEM_W,
+      fetch_item<K>(ring_addr<K, L::ITEM>(warp * S + s), wsrc + (int64_t)(u0 + s) * L::ITEM_W,
                     asrc + (int64_t)(u0 + s) * ITEM_A, wbar + 8 * s);
   }
   // token 8 nt + g in this lane's B column: its elements 8 q .. 8 q + 7 of each 32-element block, as 16-byte words.
@@ -416,7 +453,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) xn[nt] = load_x(nt, 0);
     }
-    const uint32_t bar = wbar + 8 * s, sl = ring_addr<L::ITEM>(warp * S + s);
+    const uint32_t bar = wbar + 8 * s, sl = ring_addr<K, L::ITEM>(warp * S + s);
     mbar_wait(bar, phase);
 #ifdef KBIT_TILED_TIMELINE
     if (u == u0) KBIT_STAMP(2);
@@ -556,7 +593,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
   unsigned char* win = smem - base;
   uint32_t dsz;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsz));
-  if (base > BARS || base + dsz < ring_end<STAGE>(XS)) __trap();
+  if (base > BARS || base + dsz < ring_end<K, STAGE>(XS)) __trap();
   const int lane = threadIdx.x & 31, warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
   const int g = lane >> 2, q = lane & 3;
   const float cb_lane = __ldg(codebook + (lane & ((1 << K) - 1)));
@@ -578,7 +615,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
     const uint8_t* xb = reinterpret_cast<const uint8_t*>(x) + 16 * lane;
     int r = 0, v = 0;
     for (int j = 0; j < steps; ++j) {
-      const uint32_t s = j % XS, st = ring_addr<STAGE>(s);
+      const uint32_t s = j % XS, st = ring_addr<K, STAGE>(s);
       if (j >= XS) mbar_wait(EMPTY + 8 * s, (j / XS - 1) & 1);
       fence_proxy_async();  // the consumers' reads of this stage before the bulk copies' writes
       const int na = min(NW, ntc - r * NW);
@@ -608,7 +645,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
     for (int v = 0; v < IPT; ++v, ++j) {
-      const uint32_t s = j % XS, st = ring_addr<STAGE>(s);
+      const uint32_t s = j % XS, st = ring_addr<K, STAGE>(s);
       mbar_wait(FULL + 8 * s, (j / XS) & 1);
       if (active) {
         const uint32_t iw = st + XB + warp * L::ITEM_W, ia = st + XB + NW * L::ITEM_W + warp * ITEM_A;
@@ -651,49 +688,76 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
 
 // Where an index sits in the layout (format.py, "The tiled layout"): byte B = 2 K b + K h + 2 m + rh (b < 4, h < 2,
 // m < K / 2, rh < 2) of lane l = 4 g + q's 8 K bytes of chunk c holds the 8 / K indices of row 16 t + g + 8 rh from
-// element 32 b + 8 q + 4 h + (8 / K) m of the chunk on, index i at bits K i.
+// element 32 b + 8 q + 4 h + (8 / K) m of the chunk on, index i at bits K i. K = 5: byte B of the lane's first 32 is
+// K = 4's byte B of the low nibbles (TiledByte<4>); the high bits follow (k5_high_bit).
 template <int K>
 struct TiledByte {
   int b, h, m, rh;
   __device__ explicit TiledByte(int B) : b(B / (2 * K)), h((B % (2 * K)) / K), m((B % K) >> 1), rh(B & 1) {}
   __device__ int element(int q) const { return 32 * b + 8 * q + 4 * h + (8 / K) * m; }  // its first, in the chunk
 };
+// K = 5: the bit of a lane's 64 high bits of a chunk (bytes 32 .. 39 of its 40, read as two words) that holds bit 4 of
+// index s (0, 1) of the pair in the lane's low-nibble byte 8 b + 4 h + j: word b / 2, bit 16 h + 8 (b & 1) + 2 j + s
+__host__ __device__ constexpr int k5_high_bit(int b, int h, int j, int s) {
+  return 32 * (b >> 1) + 16 * h + 8 * (b & 1) + 2 * j + s;
+}
+// the bits of the byte's indices that the byte itself holds: K, or K = 5's low 4
+template <int K>
+constexpr int byte_bits() {
+  return K == 5 ? 4 : K;
+}
 
 // bit planes [out][in / 32 * K] + e4m4 absmax [out][in / 32] -> tiled: one thread per 4-byte word of tiled weights
-// (and, for lane 0's first word of a block, the 16 scales of its (tile, chunk, block))
+// (and, for lane 0's first word of a block, the 16 scales of its (tile, chunk, block)); K = 5's high-bit words come
+// after the low-nibble words of each (tile, chunk)
 template <int K>
 __global__ void tile_kernel(const uint32_t* __restrict__ packed, const uint8_t* __restrict__ absmax, int64_t out,
                             int in, uint32_t* __restrict__ wt, uint8_t* __restrict__ at) {
-  constexpr int LW = 2 * K;  // words per lane and chunk
+  constexpr int KB = byte_bits<K>();
+  constexpr int LW = 2 * KB;     // words per lane and chunk (K = 5: of low nibbles)
+  constexpr int CW = 64 * K;     // words per (tile, chunk)
   const int C = in / 128, nb = in / 32;
   const int64_t nwords = out * (int64_t)in * K / 32;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < nwords; i += (int64_t)gridDim.x * blockDim.x) {
-    const int wi = (int)(i % LW), l = (int)((i / LW) & 31);
-    const int64_t tc = i / (LW * 32);  // word i = ((t * C + c) * 32 + l) * LW + wi
+    const int64_t tc = i / CW;  // word i = tc * CW + r
+    const int r = (int)(i % CW);
     const int c = (int)(tc % C);
     const int64_t t = tc / C;
-    const int g = l >> 2, q = l & 3;
     uint32_t word = 0;
+    if (r < 32 * LW) {  // word wi of lane l
+      const int wi = r % LW, l = r / LW;
+      const int g = l >> 2, q = l & 3;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const TiledByte<K> pos(4 * wi + j);
-      const int64_t r = 16 * t + g + 8 * pos.rh;
-      const int e = pos.element(q) - 32 * pos.b;  // inside block 4 c + b
-      const uint32_t* p = packed + (r * nb + 4 * c + pos.b) * K;
-      uint32_t byte = 0;
+      for (int j = 0; j < 4; ++j) {
+        const TiledByte<KB> pos(4 * wi + j);
+        const int64_t row = 16 * t + g + 8 * pos.rh;
+        const int e = pos.element(q) - 32 * pos.b;  // inside block 4 c + b
+        const uint32_t* p = packed + (row * nb + 4 * c + pos.b) * K;
+        uint32_t byte = 0;
 #pragma unroll
-      for (int pl = 0; pl < K; ++pl) {
-        const uint32_t v = __ldg(p + pl);
+        for (int pl = 0; pl < KB; ++pl) {
+          const uint32_t v = __ldg(p + pl);
 #pragma unroll
-        for (int ii = 0; ii < 8 / K; ++ii) byte |= ((v >> (e + ii)) & 1u) << (K * ii + pl);
+          for (int ii = 0; ii < 8 / KB; ++ii) byte |= ((v >> (e + ii)) & 1u) << (KB * ii + pl);
+        }
+        word |= byte << (8 * j);
       }
-      word |= byte << (8 * j);
+      if (l == 0 && (4 * wi) % (2 * KB) == 0) {
+        const int b = 4 * wi / (2 * KB);
+        for (int rr = 0; rr < 16; ++rr) at[(tc * 16 + rr) * 4 + b] = absmax[(16 * t + rr) * nb + 4 * c + b];
+      }
+    } else {  // K = 5: high-bit word hw of lane l
+      const int l = (r - 32 * LW) >> 1, hw = (r - 32 * LW) & 1;
+      const int g = l >> 2, q = l & 3;
+#pragma unroll
+      for (int bit = 0; bit < 32; ++bit) {  // = k5_high_bit(2 hw + o, h, j, s) - 32 hw
+        const int h = bit >> 4, o = (bit >> 3) & 1, j = (bit >> 1) & 3, s = bit & 1;
+        const int64_t row = 16 * t + g + 8 * (j & 1);
+        const uint32_t v = __ldg(packed + (row * nb + 4 * c + 2 * hw + o) * K + 4);
+        word |= ((v >> (8 * q + 4 * h + 2 * (j >> 1) + s)) & 1u) << bit;
+      }
     }
     wt[i] = word;
-    if (l == 0 && (4 * wi) % (2 * K) == 0) {
-      const int b = 4 * wi / (2 * K);
-      for (int r = 0; r < 16; ++r) at[(tc * 16 + r) * 4 + b] = absmax[(16 * t + r) * nb + 4 * c + b];
-    }
   }
 }
 
@@ -701,6 +765,7 @@ __global__ void tile_kernel(const uint32_t* __restrict__ packed, const uint8_t* 
 template <int K>
 __global__ void untile_kernel(const uint8_t* __restrict__ wt, const uint8_t* __restrict__ at, int64_t out, int in,
                               uint32_t* __restrict__ packed, uint8_t* __restrict__ absmax) {
+  constexpr int KB = byte_bits<K>();
   const int C = in / 128, nb = in / 32;
   const int64_t nblk = out * (int64_t)nb;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < nblk; i += (int64_t)gridDim.x * blockDim.x) {
@@ -708,17 +773,25 @@ __global__ void untile_kernel(const uint8_t* __restrict__ wt, const uint8_t* __r
     const int blk = (int)(i - r * nb), c = blk >> 2, b = blk & 3;
     const int64_t t = r >> 4;
     const int rr = (int)(r & 15), g = rr & 7, hi = rr >> 3;
+    const uint8_t* chunk = wt + (t * C + c) * Tiled<K>::CHUNK_W;
     uint32_t pl[K] = {};
     for (int q = 0; q < 4; ++q)
       for (int h = 0; h < 2; ++h)
-        for (int m = 0; m < K / 2; ++m) {
-          const int B = 2 * K * b + K * h + 2 * m + hi;
-          const uint32_t byte = wt[((t * C + c) * 32 + 4 * g + q) * (8 * K) + B];
-          const int e = TiledByte<K>(B).element(q) - 32 * b;
+        for (int m = 0; m < KB / 2; ++m) {
+          const int B = 2 * KB * b + KB * h + 2 * m + hi;
+          const uint32_t byte = chunk[(4 * g + q) * (8 * KB) + B];
+          const int e = TiledByte<KB>(B).element(q) - 32 * b;
 #pragma unroll
-          for (int ii = 0; ii < 8 / K; ++ii)
+          for (int ii = 0; ii < 8 / KB; ++ii)
 #pragma unroll
-            for (int j = 0; j < K; ++j) pl[j] |= ((byte >> (K * ii + j)) & 1u) << (e + ii);
+            for (int j = 0; j < KB; ++j) pl[j] |= ((byte >> (KB * ii + j)) & 1u) << (e + ii);
+          if constexpr (K == 5) {
+            const uint8_t* high = chunk + 32 * 32 + (4 * g + q) * 8;
+            for (int s = 0; s < 2; ++s) {
+              const int hb = k5_high_bit(b, h, 2 * m + hi, s);
+              pl[4] |= ((uint32_t)(high[hb >> 3] >> (hb & 7)) & 1u) << (e + s);
+            }
+          }
         }
 #pragma unroll
     for (int j = 0; j < K; ++j) packed[i * K + j] = pl[j];
@@ -732,6 +805,7 @@ template <int K, typename TO>
 __global__ void dequant_tiled_kernel(const uint8_t* __restrict__ wt, const uint8_t* __restrict__ at,
                                      const float* __restrict__ scale, const float* __restrict__ codebook, int64_t out,
                                      int in, TO* __restrict__ y) {
+  constexpr int KB = byte_bits<K>();
   const int C = in / 128;
   const float sc = scale[0];
   const float cb = codebook[threadIdx.x & ((1 << K) - 1)];  // lane l holds cb[l % 2^K]: lookups by shuffle
@@ -746,25 +820,32 @@ __global__ void dequant_tiled_kernel(const uint8_t* __restrict__ wt, const uint8
     const int c = (int)(tc % C);
     const int64_t t = tc / C;
     const int g = l >> 2, q = l & 3;
-    uint32_t wd[K / 2];  // bytes 2 K b .. 2 K b + 2 K - 1 of the lane's chunk
-    if constexpr (K == 4) {
-      const uint2 v = *reinterpret_cast<const uint2*>(wt + ii * 8);
+    const uint8_t* lw = wt + tc * Tiled<K>::CHUNK_W + l * (8 * KB) + 2 * KB * b;  // the lane's bytes of block b
+    uint32_t wd[KB / 2];  // bytes 2 K b .. 2 K b + 2 K - 1 of the lane's chunk
+    if constexpr (KB == 4) {
+      const uint2 v = *reinterpret_cast<const uint2*>(lw);
       wd[0] = v.x;
       wd[1] = v.y;
     } else {
-      wd[0] = *reinterpret_cast<const uint32_t*>(wt + ii * 4);
+      wd[0] = *reinterpret_cast<const uint32_t*>(lw);
     }
+    uint32_t hw = 0;  // K = 5: the block's high bits, bit 16 h + 2 j + s (k5_high_bit for b = 0)
+    if constexpr (K == 5)
+      hw = *reinterpret_cast<const uint32_t*>(wt + tc * Tiled<K>::CHUNK_W + 32 * 32 + l * 8 + 4 * (b >> 1)) >>
+           (8 * (b & 1));
     const uint32_t s0 = at[(tc * 16 + g) * 4 + b], s1 = at[(tc * 16 + g + 8) * 4 + b];
     const float d[2] = {e4m4_decode(s0), e4m4_decode(s1)};
     float v[2][8];  // [row g / g + 8][element 8 q + ..]
 #pragma unroll
-    for (int B = 0; B < 2 * K; ++B) {  // byte 2 K b + B of the lane's chunk: its place inside the block is B's
-      const TiledByte<K> p(B);            // (compile-time indices: v stays in registers)
+    for (int B = 0; B < 2 * KB; ++B) {  // byte 2 K b + B of the lane's chunk: its place inside the block is B's
+      const TiledByte<KB> p(B);            // (compile-time indices: v stays in registers)
       const uint32_t byte = (wd[B >> 2] >> (8 * (B & 3))) & 0xFFu;
       const int e = p.element(0);
 #pragma unroll
-      for (int k = 0; k < 8 / K; ++k) {
-        const float c = __shfl_sync(0xFFFFFFFFu, cb, (int)((byte >> (K * k)) & ((1u << K) - 1)));
+      for (int k = 0; k < 8 / KB; ++k) {
+        uint32_t idx = (byte >> (KB * k)) & ((1u << KB) - 1);
+        if constexpr (K == 5) idx |= ((hw >> k5_high_bit(0, p.h, B & 3, k)) & 1u) << 4;
+        const float c = __shfl_sync(0xFFFFFFFFu, cb, (int)idx);
         v[p.rh][e + k] = __fmul_rn(__fmul_rn(c, d[p.rh]), sc);
       }
     }
@@ -797,7 +878,7 @@ template <typename T, int K, int NW, int S, int NT>
 int gemv_tiled_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                   const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
   static bool attr_set[64] = {};  // current_device_sms: dev < 64
-  const int dyn = (int)ring_end<Tiled<K>::ITEM>(NW * S);
+  const int dyn = (int)ring_end<K, Tiled<K>::ITEM>(NW * S);
   if (!attr_set[dev]) {
     const cudaError_t e = cudaFuncSetAttribute(gemv_tiled_kernel<T, K, NW, S, NT>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
@@ -814,7 +895,7 @@ template <typename T, int K, int NW, int XS, int NT>
 int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                         const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
   static bool attr_set[64] = {};
-  const int dyn = (int)ring_end<batch_stage_bytes<K, NW, NT>()>(XS);
+  const int dyn = (int)ring_end<K, batch_stage_bytes<K, NW, NT>()>(XS);
   if (!attr_set[dev]) {
     const cudaError_t e = cudaFuncSetAttribute(gemv_tiled_batch_kernel<T, K, NW, XS, NT>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
@@ -844,9 +925,20 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
   const bool batch = kernel == KBIT_TILED_BATCH ||
                      (kernel == KBIT_TILED_AUTO && M > 8 && (tiles >= 2 * sms || (M > 40 && tiles >= sms)));
   if (batch) {
-    if (M <= 16) return gemv_tiled_batch_go<T, K, 8, 4, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-    if (M <= 32) return gemv_tiled_batch_go<T, K, 8, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-    return gemv_tiled_batch_go<T, K, 8, 2, 8>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+    if constexpr (K == 5) {  // the 128 KB table leaves room for stages of 4 items, and of 32 tokens at most
+      if (M <= 16) return gemv_tiled_batch_go<T, K, 4, 4, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+      if (M <= 32) return gemv_tiled_batch_go<T, K, 4, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+      for (int m0 = 0; m0 < M; m0 += 32) {
+        const int rc = gemv_tiled_launch<T, K>(x + m0 * in, M - m0 < 32 ? M - m0 : 32, wt, at, scale, cb, bias, out,
+                                               in, y + m0 * out, KBIT_TILED_BATCH, st);
+        if (rc != 0) return rc;
+      }
+      return 0;
+    } else {
+      if (M <= 16) return gemv_tiled_batch_go<T, K, 8, 4, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+      if (M <= 32) return gemv_tiled_batch_go<T, K, 8, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+      return gemv_tiled_batch_go<T, K, 8, 2, 8>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+    }
   }
   if (M <= 8) return gemv_tiled_go<T, K, 16, 1, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
   if (M <= 16) return gemv_tiled_go<T, K, 16, 1, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
@@ -878,12 +970,13 @@ int dequantize_tiled_k(const void* wt, const void* at, const float* scale, const
   }
 }
 
-// The one place where k becomes the template argument K: f(std::integral_constant<int, K>) for k = 2 or 4, or
+// The one place where k becomes the template argument K: f(std::integral_constant<int, K>) for k = 2, 4 or 5, or
 // cudaErrorInvalidValue.
 template <typename F>
 int with_tiled_k(int k, F&& f) {
   if (k == 4) return f(std::integral_constant<int, 4>{});
   if (k == 2) return f(std::integral_constant<int, 2>{});
+  if (k == 5) return f(std::integral_constant<int, 5>{});
   return (int)cudaErrorInvalidValue;
 }
 

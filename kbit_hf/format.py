@@ -202,18 +202,22 @@ def empty_quantized(shape: tuple[int, ...], k: int, absmax_format: str, device=N
             torch.empty(shapes["scale"], dtype=torch.float32, device=device))
 
 
-# ---- The tiled layout: how large K = 2 / 4 Linear weights sit in GPU memory (docs/kernels.md, "Tiled layout") ----
+# ---- The tiled layout: how large K = 2 / 4 / 5 Linear weights sit in GPU memory (docs/kernels.md, "Tiled layout") ----
 # A permutation of the bits of (packed, absmax) with the same byte counts: packed becomes uint8 [out, in * K / 8]
 # (that dtype is what marks a tiled tensor), absmax keeps its shape. Checkpoints always hold the bit planes above.
-# Weights, 256 K bytes per (16-row tile t, 128-element chunk c), 8 K per lane l = 4 g + q (g < 8, q < 4): byte
-# ((t * C + c) * 32 + l) * 8 K + 2 K b + K h + 2 m + rh, for b < 4, h < 2, m < K / 2, rh < 2, holds the 8 / K indices
-# of row 16 t + g + 8 rh from element e = 128 c + 32 b + 8 q + 4 h + (8 / K) m on (index i at bits K i): lane l's
-# m16n8k16 A fragment of k slice (b, h). K = 4: byte 8 b + 4 h + j is the pair idx[e] | idx[e + 1] << 4 of row
-# g + 8 (j & 1) at e = .. + 2 (j >> 1); K = 2: byte 4 b + 2 h + rh holds elements e .. e + 3 (two pairs). Block
-# scales, 64 bytes per (t, c): byte ((t * C + c) * 16 + r) * 4 + b is block 4 c + b of row 16 t + r.
+# Weights, 256 K bytes per (16-row tile t, 128-element chunk c), 8 K per lane l = 4 g + q (g < 8, q < 4).
+# K = 2, 4: byte ((t * C + c) * 32 + l) * 8 K + 2 K b + K h + 2 m + rh, for b < 4, h < 2, m < K / 2, rh < 2, holds
+# the 8 / K indices of row 16 t + g + 8 rh from element e = 128 c + 32 b + 8 q + 4 h + (8 / K) m on (index i at bits
+# K i): lane l's m16n8k16 A fragment of k slice (b, h). K = 4: byte 8 b + 4 h + j is the pair idx[e] | idx[e + 1] << 4
+# of row g + 8 (j & 1) at e = .. + 2 (j >> 1); K = 2: byte 4 b + 2 h + rh holds elements e .. e + 3 (two pairs).
+# K = 5: a (tile, chunk) is 32 lanes x 32 bytes of the indices' low 4 bits, byte for byte K = 4's layout, then 32
+# lanes x 8 bytes of their high bits: bit 32 (b >> 1) + 16 h + 8 (b & 1) + 2 j + s of lane l's 64 (little-endian)
+# is bit 4 of index s of the pair in its low-nibble byte 8 b + 4 h + j (so the GEMV turns two pairs' high bits into
+# table-address bits with one shift, mask and add). Block scales, 64 bytes per (t, c): byte ((t * C + c) * 16 + r)
+# * 4 + b is block 4 c + b of row 16 t + r.
 TILE_ROWS = 16
 TILE_IN = 256  # in_features must be a multiple of this (two chunks: the GEMV's unit of work)
-TILED_K = (2, 4)
+TILED_K = (2, 4, 5)
 
 
 def tileable(out_features: int, in_features: int, k: int, absmax_format: str) -> bool:
@@ -229,22 +233,52 @@ def _tile_rows(out: int, in_features: int):
     return ((a, min(a + step, out)) for a in range(0, out, step))
 
 
+def _tiled_bytes(idx: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [rows, in] (rows % 16 == 0) -> their tiled bytes [rows, in * k / 8]."""
+    rows, in_features = idx.shape
+    kb = 4 if k == 5 else k  # index bits in the main bytes (K = 5: the low nibbles)
+    n, C = 8 // kb, in_features // 128
+    shifts = torch.arange(0, 8, kb, device=idx.device)
+    v = (idx & 15 if k == 5 else idx).view(rows // 16, 2, 8, C, 4, 4, 2, kb // 2, n)  # t, rh, g, c, b, q, h, m, index
+    main = (v << shifts).sum(-1).permute(0, 3, 2, 5, 4, 6, 7, 1).reshape(rows // 16, C, -1)  # t, c, (g, q, bytes)
+    if k == 5:
+        hi = (idx >> 4).view(rows // 16, 2, 8, C, 2, 2, 4, 2, 2, 2)  # t, rh, g, c, b >> 1, b & 1, q, h, j >> 1, s
+        # -> t, c, g, q, b >> 1, h, b & 1 (the lane's bytes), then bits j >> 1, rh, s (bit 4 (j >> 1) + 2 rh + s)
+        hi = hi.permute(0, 3, 2, 6, 4, 7, 5, 8, 1, 9).reshape(rows // 16, C, 256, 8)
+        high = (hi << torch.arange(8, device=idx.device)).sum(-1)
+        main = torch.cat([main, high], -1)
+    return main.to(torch.uint8).reshape(rows, -1)
+
+
+def _tiled_indices(wt: torch.Tensor, in_features: int, k: int) -> torch.Tensor:
+    """Inverse of _tiled_bytes: tiled bytes [rows, in * k / 8] -> indices [rows, in] (int64)."""
+    rows = wt.shape[0]
+    kb = 4 if k == 5 else k
+    C = in_features // 128
+    shifts = torch.arange(0, 8, kb, device=wt.device)
+    w = wt.reshape(rows // 16, C, 256 * k).long()
+    byte = w[..., :256 * kb].reshape(rows // 16, C, 8, 4, 4, 2, kb // 2, 2).permute(0, 7, 2, 1, 4, 3, 5, 6)
+    idx = (byte.unsqueeze(-1) >> shifts) & ((1 << kb) - 1)  # t, rh, g, c, b, q, h, m, index
+    if k == 5:
+        bits = (w[..., 256 * kb:].reshape(rows // 16, C, 256, 1) >> torch.arange(8, device=wt.device)) & 1
+        # t, c, g, q, b >> 1, h, b & 1, j >> 1, rh, s -> t, rh, g, c, (b >> 1, b & 1), q, h, j >> 1, s
+        bits = bits.reshape(rows // 16, C, 8, 4, 2, 2, 2, 2, 2, 2).permute(0, 8, 2, 1, 4, 6, 3, 5, 7, 9)
+        idx = idx | bits.reshape(idx.shape) << 4
+    return idx.reshape(rows, in_features)
+
+
 def tile(packed: torch.Tensor, absmax: torch.Tensor, in_features: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bit planes uint32 [out, in / 32 * k] + e4m4 absmax [out, nb] -> the tiled layout (K = 2 or 4; see above)."""
+    """Bit planes uint32 [out, in / 32 * k] + e4m4 absmax [out, nb] -> the tiled layout (K = 2, 4 or 5; see above)."""
     out = packed.shape[0]
     if packed.dtype != torch.uint32 or absmax.dtype != torch.uint8 or not tileable(out, in_features, k, "e4m4") \
             or tuple(packed.shape) != (out, in_features // 32 * k) or tuple(absmax.shape) != (out, in_features // 32):
         raise ValueError(f"cannot tile packed {packed.dtype} {tuple(packed.shape)} / absmax {absmax.dtype} "
                          f"{tuple(absmax.shape)} for k={k}, in_features={in_features} (K in {TILED_K}, e4m4, "
                          f"out % {TILE_ROWS}, in % {TILE_IN})")
-    C, n = in_features // 128, 8 // k  # n indices per byte
+    C = in_features // 128
     wt = torch.empty((out, in_features * k // 8), dtype=torch.uint8, device=packed.device)
-    shifts = torch.arange(0, 8, k, device=packed.device)
     for a, b in _tile_rows(out, in_features):
-        idx = unpack_bitplanes(packed[a:b], k).flatten(-2)  # [rows, in]
-        v = idx.view((b - a) // 16, 2, 8, C, 4, 4, 2, k // 2, n)  # t, rh, g, c, b, q, h, m, index
-        byte = (v << shifts).sum(-1)
-        wt[a:b] = byte.permute(0, 3, 2, 5, 4, 6, 7, 1).to(torch.uint8).reshape(b - a, -1)
+        wt[a:b] = _tiled_bytes(unpack_bitplanes(packed[a:b], k).flatten(-2), k)
     at = absmax.view(out // 16, 16, C, 4).permute(0, 2, 1, 3).reshape(out, -1).clone()
     return wt, at
 
@@ -257,11 +291,8 @@ def untile(wt: torch.Tensor, at: torch.Tensor, in_features: int, k: int) -> tupl
         raise ValueError(f"not a tiled K = {k} weight for in_features={in_features}: {wt.dtype} {tuple(wt.shape)}")
     C = in_features // 128
     packed = torch.empty((out, in_features // 32 * k), dtype=torch.uint32, device=wt.device)
-    shifts = torch.arange(0, 8, k, device=wt.device)
     for a, b in _tile_rows(out, in_features):
-        byte = wt[a:b].reshape((b - a) // 16, C, 8, 4, 4, 2, k // 2, 2).permute(0, 7, 2, 1, 4, 3, 5, 6).long()
-        idx = (byte.unsqueeze(-1) >> shifts) & ((1 << k) - 1)  # t, rh, g, c, b, q, h, m, index
-        packed[a:b] = pack_bitplanes(idx.reshape(b - a, in_features // 32, 32), k)
+        packed[a:b] = pack_bitplanes(_tiled_indices(wt[a:b], in_features, k).reshape(b - a, in_features // 32, 32), k)
     absmax = at.view(out // 16, C, 16, 4).permute(0, 2, 1, 3).reshape(out, -1).clone()
     return packed, absmax
 

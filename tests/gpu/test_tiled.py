@@ -1,6 +1,6 @@
 """GPU tests of the tiled layout (csrc/kbit_tiled.cu): the tile / untile kernels against format.tile, the dequantize
 bitwise against the bit-plane kernel, the GEMV (M = 1..64) against float64, CUDA graphs, and KbitLinear /
-from_pretrained tiling large K = 2 and K = 4 layers on sm_90."""
+from_pretrained tiling large K = 2, 4 and 5 layers on sm_90."""
 
 import functools
 
