@@ -51,8 +51,15 @@ struct Tiled {
   static constexpr int WORDS = 4 * K;               // 32-bit words of weights per lane and item
   static constexpr uint32_t ENTRY = K == 2 ? 8 : 4;  // bytes per pair-table entry (4: one pair, 8: two); replica l at
                                                      // ENTRY l
-  static constexpr uint32_t RING = K == 5 ? 0x30000 : 0x20000;  // the table's end: the other ring slots
 };
+// The pair table's end, where the other ring slots start. K = 5's table has two layouts: WIDE, 32 replicas in two 64 KB
+// windows (the range kernel, which the lookups' shared-memory wavefronts bind), or 16 replicas in one window (lanes l
+// and l + 16 share a replica: 2-way bank conflicts; the batched kernel, whose stages need the space and whose
+// lookups each feed NT MMAs). K = 2, 4 have one layout.
+template <int K, bool WIDE>
+constexpr uint32_t table_end() {
+  return K == 5 && WIDE ? 0x30000 : 0x20000;
+}
 // a stage of the batched kernel's ring: NT * 8 token rows of activations (576-byte rows, see the kernel), then NW
 // items' weights and NW items' scales
 constexpr uint32_t XROW = 576;
@@ -60,16 +67,16 @@ template <int K, int NW, int NT>
 constexpr uint32_t batch_stage_bytes() {
   return NT * 8 * XROW + NW * Tiled<K>::ITEM;
 }
-// Window address of ring slot i of SB bytes (as many slots as fit below the table, the rest from the table's end),
-// and the end of the window that nslots need.
-template <int K, uint32_t SB>
+// Window address of ring slot i of SB bytes (as many slots as fit below the table, the rest from the table's end
+// TEND), and the end of the window that nslots need.
+template <uint32_t TEND, uint32_t SB>
 __host__ __device__ constexpr uint32_t ring_addr(uint32_t i) {
   constexpr uint32_t NLOW = (TABLE - LOW) / SB;
-  return i < NLOW ? LOW + i * SB : Tiled<K>::RING + (i - NLOW) * SB;
+  return i < NLOW ? LOW + i * SB : TEND + (i - NLOW) * SB;
 }
-template <int K, uint32_t SB>
+template <uint32_t TEND, uint32_t SB>
 __host__ __device__ constexpr uint32_t ring_end(uint32_t nslots) {
-  return nslots <= (TABLE - LOW) / SB ? Tiled<K>::RING : ring_addr<K, SB>(nslots);
+  return nslots <= (TABLE - LOW) / SB ? TEND : ring_addr<TEND, SB>(nslots);
 }
 
 __device__ __forceinline__ uint32_t lds_at(uint32_t addr) {
@@ -92,24 +99,31 @@ __device__ __forceinline__ uint2 lds64_at(uint32_t addr) {
 // replicas of its entry (lane l reads replica l: conflict-free). K = 4: a byte is a pair of indices (lo | hi << 4),
 // its entry (cb[lo], cb[hi]) in T (4 bytes, half the row used); K = 2: a byte is two pairs (idx[e] << 2 i, i < 4),
 // its entry both pairs' values (8 bytes, the row full). K = 5: a pair is its byte of low nibbles and its two high bits
-// h0, h1; its entry (cb[lo | h0 << 4], cb[hi | h1 << 4]) sits in row half h0 of window h1 (TABLE + 0x10000 h1 +
-// 256 byte + 128 h0): 128 KB. Built from each lane's codebook entry cb_lane = cb[lane % 2^K] by shuffles, times
-// factor (TiledScales), by all NTHREADS threads of the CTA (whole rounds: the shuffles need full warps).
-template <typename T, int K, int NTHREADS>
+// h0, h1; its entry is (cb[lo | h0 << 4], cb[hi | h1 << 4]). WIDE: at TABLE + 0x10000 h1 + 256 byte + 128 h0 + 4 l,
+// 128 KB; otherwise (16 replicas) at TABLE + 256 byte + 128 h1 + 64 h0 + 4 (l % 16). Built from each lane's codebook
+// entry cb_lane = cb[lane % 2^K] by shuffles, times factor (TiledScales), by all NTHREADS threads of the CTA (whole
+// rounds: the shuffles need full warps).
+template <typename T, int K, bool WIDE, int NTHREADS>
 __device__ __forceinline__ void build_pair_table(unsigned char* win, float cb_lane, float factor) {
-  constexpr int SPR = 2 * Tiled<K>::ENTRY;     // 16-byte stores per row (K = 5: per row half)
-  constexpr int ROWS = K == 5 ? 1024 : 256;    // K = 5: row halves
+  constexpr bool K5W = K == 5 && WIDE;
+  constexpr int SPR = K == 5 ? 8 : 2 * Tiled<K>::ENTRY;  // 16-byte stores per row (K = 5: per 128 bytes)
+  constexpr int ROWS = K5W ? 1024 : K == 5 ? 512 : 256;  // K = 5: 128-byte row parts
   auto cb = [&](uint32_t i) { return __shfl_sync(0xFFFFFFFFu, cb_lane, (int)i) * factor; };
   for (int i0 = 0; i0 < ROWS * SPR; i0 += NTHREADS) {
     const int i = i0 + (int)threadIdx.x;
     const uint32_t R = (uint32_t)(i / SPR) & (ROWS - 1);
     uint4 v;
     uint32_t at;
-    if constexpr (K == 5) {  // R = (h1, byte, h0)
+    if constexpr (K5W) {  // R = (h1, byte, h0)
       const uint32_t P = (R >> 1) & 255u, h0 = R & 1u, h1 = R >> 9;
       const uint32_t w = Mma<T>::pack(cb((P & 15u) | h0 << 4), cb((P >> 4) | h1 << 4));
       v = make_uint4(w, w, w, w);
       at = TABLE + 0x10000u * h1 + 256 * P + 128 * h0;
+    } else if constexpr (K == 5) {  // R = (byte, h1); a 16-byte store (i % 8) covers 4 replicas of one h0
+      const uint32_t P = R >> 1, h1 = R & 1u, h0 = (uint32_t)(i % SPR) >> 2;
+      const uint32_t w = Mma<T>::pack(cb((P & 15u) | h0 << 4), cb((P >> 4) | h1 << 4));
+      v = make_uint4(w, w, w, w);
+      at = TABLE + 256 * P + 128 * h1;
     } else if constexpr (K == 4) {
       const uint32_t w = Mma<T>::pack(cb(R & 15u), cb(R >> 4));
       v = make_uint4(w, w, w, w);
@@ -124,9 +138,9 @@ __device__ __forceinline__ void build_pair_table(unsigned char* win, float cb_la
 }
 // this lane's part of a table address: PRMT(weight word, table_lane, 0x6504 | j << 4) = TABLE + 256 * byte j + the
 // lane's replica (K = 5 adds the high bits: lookup_block)
-template <int K>
+template <int K, bool WIDE>
 __device__ __forceinline__ uint32_t table_lane(int lane) {
-  return 0x0100u | (uint32_t)lane * Tiled<K>::ENTRY;
+  return 0x0100u | (uint32_t)(K == 5 && !WIDE ? lane & 15 : lane) * Tiled<K>::ENTRY;
 }
 // this lane's weight words of the item in the ring slot at sl: 8 K bytes of each chunk. K = 5: words 0..15 are the
 // low nibbles as K = 4's (8 per chunk), words 16 + 2 c, 17 + 2 c chunk c's high bits
@@ -155,17 +169,20 @@ __device__ __forceinline__ void load_item_words(uint32_t sl, int lane, uint32_t 
 // row g + 8), straight from the table. K = 4: one lookup per register; K = 2: one 8-byte lookup per two (a_rh and
 // a_rh+2: the two pairs of a byte). K = 5: K = 4's lookup, the pair's two high bits added to the address: high word
 // w[16 + kb / 2] holds register (h, j)'s bits at 16 h + 8 (kb & 1) + 2 j (+ 1), so one shift, mask and add put the
-// bits of (0, j) and (1, j) into H = [lane byte | h0 << 7, 1 + h1, lane byte | h0' << 7, 1 + h1'], and a PRMT takes
-// the address bytes (lane byte, weight byte j, window byte, the window byte's sign: 0) from H and the weight word.
-template <int K>
+// bits of (0, j) and (1, j) into H = [lane byte | h0 << 7, 1 + h1, lane byte | h0' << 7, 1 + h1'] (WIDE; otherwise
+// [lane byte | h0 << 6 | h1 << 7, 1, ..]), and a PRMT takes the address bytes (lane byte, weight byte j, window byte,
+// the window byte's sign: 0) from H and the weight word.
+template <int K, bool WIDE>
 __device__ __forceinline__ void lookup_block(const uint32_t (&w)[Tiled<K>::WORDS], int kb, uint32_t cl,
                                              uint32_t (&A)[2][4]) {
   if constexpr (K == 5) {
     const uint32_t hw = w[16 + kb / 2], base = cl * 0x10001u;
+    constexpr int TO = WIDE ? 7 : 6;  // where (0, j)'s h0 goes
+    constexpr uint32_t MASK = WIDE ? 0x01800180u : 0x00C000C0u;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int sh = 8 * (kb & 1) + 2 * j;  // bit of (0, j)'s h0: to bit 7
-      const uint32_t H = ((sh >= 7 ? hw >> (sh - 7) : hw << (7 - sh)) & 0x01800180u) + base;
+      const int sh = 8 * (kb & 1) + 2 * j;  // bit of (0, j)'s h0
+      const uint32_t H = ((sh >= TO ? hw >> (sh - TO) : hw << (TO - sh)) & MASK) + base;
       A[0][j] = lds_at(prmt(w[2 * kb], H, 0xD504u | (uint32_t)j << 4));
       A[1][j] = lds_at(prmt(w[2 * kb + 1], H, 0xF706u | (uint32_t)j << 4));
     }
@@ -365,7 +382,8 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   uint32_t dsz;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsz));
   using L = Tiled<K>;
-  if (base > BARS || base + dsz < ring_end<K, L::ITEM>(NW * S)) __trap();
+  constexpr uint32_t TEND = table_end<K, true>();
+  if (base > BARS || base + dsz < ring_end<TEND, L::ITEM>(NW * S)) __trap();
   // the warp index through a shuffle: the compiler then knows it is warp-uniform and keeps the bulk-copy operands in
   // uniform registers (no per-lane loop around each copy)
   const int lane = threadIdx.x & 31, warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
@@ -389,7 +407,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   if (lane == 0) {
     for (int s = 0; s < S; ++s) mbar_init(wbar + 8 * s, 1);
     for (int s = 0; s < S && u0 + s < u1; ++s)
-      fetch_item<K>(ring_addr<K, L::ITEM>(warp * S + s), wsrc + (int64_t)(u0 + s) * L::ITEM_W,
+      fetch_item<K>(ring_addr<TEND, L::ITEM>(warp * S + s), wsrc + (int64_t)(u0 + s) * L::ITEM_W,
                     asrc + (int64_t)(u0 + s) * ITEM_A, wbar + 8 * s);
   }
   // token 8 nt + g in this lane's B column: its elements 8 q .. 8 q + 7 of each 32-element block, as 16-byte words.
@@ -408,12 +426,12 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       for (int kb = 0; kb < 8; ++kb)
         asm volatile("prefetch.global.L1 [%0];" ::"l"(x16 + xo[nt] + 32u * (u0 - tf * IPT) + 4 * kb));
   }
-  build_pair_table<T, K, NW * 32>(win, cb_lane, TiledScales<T>::SUM_TABLE);
+  build_pair_table<T, K, true, NW * 32>(win, cb_lane, TiledScales<T>::SUM_TABLE);
   K2Regs cr{0u, 0u};
   if constexpr (K == 2) cr = k2_regs<T>(cb_lane, TiledScales<T>::SUM_TABLE);
   __syncthreads();
   KBIT_STAMP(1);
-  const uint32_t cl = table_lane<K>(lane);
+  const uint32_t cl = table_lane<K, true>(lane);
   float acc[NT][4], accf[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
@@ -453,7 +471,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) xn[nt] = load_x(nt, 0);
     }
-    const uint32_t bar = wbar + 8 * s, sl = ring_addr<K, L::ITEM>(warp * S + s);
+    const uint32_t bar = wbar + 8 * s, sl = ring_addr<TEND, L::ITEM>(warp * S + s);
     mbar_wait(bar, phase);
 #ifdef KBIT_TILED_TIMELINE
     if (u == u0) KBIT_STAMP(2);
@@ -482,7 +500,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       if (K == 2 && kb < K2_REG_BLOCKS)  // some blocks decoded in registers (K2Regs)
         decode_k2_regs(w[kb], cr, A);
       else
-        lookup_block<K>(w, kb, cl, A);
+        lookup_block<K, true>(w, kb, cl, A);
       const float s0 = TiledScales<T>::sum_scale((sg >> (8 * bb)) & 0xFFu);
       const float s1 = TiledScales<T>::sum_scale((sh >> (8 * bb)) & 0xFFu);
       uint4 xc[NT > 1 ? NT : 1];
@@ -593,7 +611,8 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
   unsigned char* win = smem - base;
   uint32_t dsz;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsz));
-  if (base > BARS || base + dsz < ring_end<K, STAGE>(XS)) __trap();
+  constexpr uint32_t TEND = table_end<K, false>();
+  if (base > BARS || base + dsz < ring_end<TEND, STAGE>(XS)) __trap();
   const int lane = threadIdx.x & 31, warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
   const int g = lane >> 2, q = lane & 3;
   const float cb_lane = __ldg(codebook + (lane & ((1 << K) - 1)));
@@ -608,14 +627,14 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
       mbar_init(EMPTY + 8 * s, NW);
     }
   }
-  build_pair_table<T, K, (NW + 1) * 32>(win, cb_lane, TiledScales<T>::A_TABLE);
+  build_pair_table<T, K, false, (NW + 1) * 32>(win, cb_lane, TiledScales<T>::A_TABLE);
   __syncthreads();
   const int steps = rounds * IPT;
   if (warp == NW) {  // the producer
     const uint8_t* xb = reinterpret_cast<const uint8_t*>(x) + 16 * lane;
     int r = 0, v = 0;
     for (int j = 0; j < steps; ++j) {
-      const uint32_t s = j % XS, st = ring_addr<K, STAGE>(s);
+      const uint32_t s = j % XS, st = ring_addr<TEND, STAGE>(s);
       if (j >= XS) mbar_wait(EMPTY + 8 * s, (j / XS - 1) & 1);
       fence_proxy_async();  // the consumers' reads of this stage before the bulk copies' writes
       const int na = min(NW, ntc - r * NW);
@@ -635,7 +654,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
     }
     return;
   }
-  const uint32_t cl = table_lane<K>(lane);
+  const uint32_t cl = table_lane<K, false>(lane);
   int j = 0;
   for (int r = 0; r < rounds; ++r) {
     const bool active = r * NW + warp < ntc;
@@ -645,7 +664,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
     for (int v = 0; v < IPT; ++v, ++j) {
-      const uint32_t s = j % XS, st = ring_addr<K, STAGE>(s);
+      const uint32_t s = j % XS, st = ring_addr<TEND, STAGE>(s);
       mbar_wait(FULL + 8 * s, (j / XS) & 1);
       if (active) {
         const uint32_t iw = st + XB + warp * L::ITEM_W, ia = st + XB + NW * L::ITEM_W + warp * ITEM_A;
@@ -659,7 +678,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
           const uint32_t p0 = TiledScales<T>::a_scale((sa[kb < 4 ? 0 : 2] >> (8 * bb)) & 0xFFu);  // rows g
           const uint32_t p1 = TiledScales<T>::a_scale((sa[kb < 4 ? 1 : 3] >> (8 * bb)) & 0xFFu);  // rows g + 8
           uint32_t A[2][4];
-          lookup_block<K>(w, kb, cl, A);
+          lookup_block<K, false>(w, kb, cl, A);
 #pragma unroll
           for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -878,7 +897,7 @@ template <typename T, int K, int NW, int S, int NT>
 int gemv_tiled_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                   const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
   static bool attr_set[64] = {};  // current_device_sms: dev < 64
-  const int dyn = (int)ring_end<K, Tiled<K>::ITEM>(NW * S);
+  const int dyn = (int)ring_end<table_end<K, true>(), Tiled<K>::ITEM>(NW * S);
   if (!attr_set[dev]) {
     const cudaError_t e = cudaFuncSetAttribute(gemv_tiled_kernel<T, K, NW, S, NT>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
@@ -895,7 +914,7 @@ template <typename T, int K, int NW, int XS, int NT>
 int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                         const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
   static bool attr_set[64] = {};
-  const int dyn = (int)ring_end<K, batch_stage_bytes<K, NW, NT>()>(XS);
+  const int dyn = (int)ring_end<table_end<K, false>(), batch_stage_bytes<K, NW, NT>()>(XS);
   if (!attr_set[dev]) {
     const cudaError_t e = cudaFuncSetAttribute(gemv_tiled_batch_kernel<T, K, NW, XS, NT>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
@@ -910,8 +929,9 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
 // Which kernel, by the H100 measurements of docs/kernels.md ("Tiled layout"). M <= 8: gemv_tiled_kernel, 16 warps of
 // one slot each (at steady state its K = 4 reads run at the copy bandwidth; more slots, or for K = 2 two items per
 // bulk copy, measured slower or even, also on small layers). M = 9..64: the batched kernel where the CTAs have tiles to
-// give their warps (>= 2 per SM; a layer of 1..2 tiles per SM gains only at M > 40): up to 2.6x the range kernel
-// there (0.96x only on 28672x8192 at M = 9). Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their
+// give their warps (>= 2 per SM; a layer of 1..2 tiles per SM gains only at M > 40, and for K = 5 not at all: 0.70-0.83x
+// on 4096x14336, whose batched lookups conflict 2-way): up to 2.6x the range kernel there (0.95-0.96x only on
+// 28672x8192 at M = 9). Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their
 // accumulators need the registers), and launches of 32 tokens above. kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE /
 // KBIT_TILED_BATCH to force one (tests).
 template <typename T, int K>
@@ -923,22 +943,11 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
   if (major < 9) return (int)cudaErrorNotSupported;
   const int64_t tiles = out / 16;
   const bool batch = kernel == KBIT_TILED_BATCH ||
-                     (kernel == KBIT_TILED_AUTO && M > 8 && (tiles >= 2 * sms || (M > 40 && tiles >= sms)));
+                     (kernel == KBIT_TILED_AUTO && M > 8 && (tiles >= 2 * sms || (K != 5 && M > 40 && tiles >= sms)));
   if (batch) {
-    if constexpr (K == 5) {  // the 128 KB table leaves room for stages of 4 items, and of 32 tokens at most
-      if (M <= 16) return gemv_tiled_batch_go<T, K, 4, 4, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-      if (M <= 32) return gemv_tiled_batch_go<T, K, 4, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-      for (int m0 = 0; m0 < M; m0 += 32) {
-        const int rc = gemv_tiled_launch<T, K>(x + m0 * in, M - m0 < 32 ? M - m0 : 32, wt, at, scale, cb, bias, out,
-                                               in, y + m0 * out, KBIT_TILED_BATCH, st);
-        if (rc != 0) return rc;
-      }
-      return 0;
-    } else {
-      if (M <= 16) return gemv_tiled_batch_go<T, K, 8, 4, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-      if (M <= 32) return gemv_tiled_batch_go<T, K, 8, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-      return gemv_tiled_batch_go<T, K, 8, 2, 8>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-    }
+    if (M <= 16) return gemv_tiled_batch_go<T, K, 8, 4, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+    if (M <= 32) return gemv_tiled_batch_go<T, K, 8, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+    return gemv_tiled_batch_go<T, K, 8, 2, 8>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
   }
   if (M <= 8) return gemv_tiled_go<T, K, 16, 1, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
   if (M <= 16) return gemv_tiled_go<T, K, 16, 1, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
