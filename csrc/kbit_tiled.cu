@@ -1,4 +1,4 @@
-// kbit_tiled.cu: the tiled layout of large K = 2 and K = 4 Linear weights on sm_90 (kbit_hf/format.py, "The tiled
+// kbit_tiled.cu: the tiled layout of large K = 2, 4 and 5 Linear weights on sm_90 (kbit_hf/format.py, "The tiled
 // layout"): the conversions from and to the bit planes, two fused GEMVs over it (M = 1..64) and its dequantize.
 //
 // Layout (out % 16 == 0, in % 256 == 0; T = out / 16 tiles, C = in / 128 chunks per row): a permutation of the bits
@@ -6,11 +6,12 @@
 // byte ((t * C + c) * 32 + l) * 8 K + 2 K b + K h + 2 m + rh holds the 8 / K indices of row 16 t + g + 8 rh from
 // element e = 128 c + 32 b + 8 q + 4 h + (8 / K) m on (index i at bits K i). For K = 4 a byte is the pair
 // idx[e] | idx[e + 1] << 4 (m picks the pair: registers a_{rh + 2 m} of lane l's m16n8k16 A fragment for the k slice
-// (b, h)); for K = 2 a byte is two pairs (a_rh and a_{rh + 2}). So a lane reads its bytes of a chunk with K / 2
-// 16-byte shared loads, and the activations of the k slices of block b are the 8 consecutive elements 128 c + 32 b +
-// 8 q .. + 7 (one 16-byte load per lane and token). Block scales, 64 bytes per (t, c): byte ((t * C + c) * 16 + r) *
-// 4 + b = block 4 c + b of row 16 t + r. Each k slice of an MMA lies inside one block of each row, so the block scale
-// multiplies the MMA's partial sums in fp32 (4 FFMA per block and lane).
+// (b, h)); for K = 2 a byte is two pairs (a_rh and a_{rh + 2}). K = 5: K = 4's 32 bytes per lane of the indices'
+// low 4 bits, then 8 bytes per lane of their high bits (k5_high_bit). So a lane reads its bytes of a chunk with K / 2
+// 16-byte shared loads (K = 5: 2, and one 8-byte load), and the activations of the k slices of block b are the 8
+// consecutive elements 128 c + 32 b + 8 q .. + 7 (one 16-byte load per lane and token). Block scales, 64 bytes per
+// (t, c): byte ((t * C + c) * 16 + r) * 4 + b = block 4 c + b of row 16 t + r. Each k slice of an MMA lies inside one
+// block of each row, so the block scale multiplies the MMA's partial sums in fp32 (4 FFMA per block and lane).
 //
 // GEMV by warp ranges (gemv_tiled_kernel, M <= 8 and layers of few tiles; docs/kernels.md, "Tiled layout"): one
 // persistent CTA of NW warps per SM owns whole tiles
@@ -21,7 +22,8 @@
 // 32 replicas) lies at the shared-window address 0x10000 + 256 * byte + ENTRY * lane, so one PRMT of a weight byte
 // with table_lane(lane) is the whole address of a conflict-free lookup (K = 2: an 8-byte lookup gives two A
 // registers; 2 of each item's 8 blocks are decoded by PRMTs from the codebook in registers instead, which takes load
-// off the shared-memory pipe that binds K = 2). NT tiles of 8 tokens share each looked-up A operand. Tiles inside a
+// off the shared-memory pipe that binds K = 2; K = 5's table is 128 KB, the pair's high bits adding address bits:
+// lookup_block). NT tiles of 8 tokens share each looked-up A operand. Tiles inside a
 // warp's range are stored by that warp; the first and last tile of each range go through shared memory (the table's
 // space, after the loop) and are summed in warp order: deterministic, no atomics.
 // The batched GEMV (gemv_tiled_batch_kernel, M = 9..64 on layers of many tiles) has its own comment below.
@@ -590,7 +592,8 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 // v of each active tile (bulk copies); NW consumer warps each own one tile for the whole k range (rounds of NW tiles)
 // and read the shared activations. No partial sums cross warps: each warp stores its tile. A stage: [NT * 8 token rows]
 // [NW items' weights] [NW items' scales]; full barrier: the producer's expect_tx arrival and its 32 lanes' cp.async
-// arrivals; empty barrier: the NW consumer warps.
+// arrivals; empty barrier: the NW consumer warps. K = 5 uses its 64 KB table of 16 replicas here (table_end): with the
+// 128 KB one only 4 consumer warps' stages fit, which ran 1.05-1.54x slower (docs/results/tiled_k5, run 3).
 template <typename T, int K, int NW, int XS, int NT>
 __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(const T* __restrict__ x, int M,
                                                                               const uint8_t* __restrict__ wt,
