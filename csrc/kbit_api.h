@@ -40,9 +40,9 @@ KBIT_API int kbit_expert_gemv(const void* x, int x_dtype, int64_t N, const int64
                               const uint32_t* packed, const void* absmax, int absmax_fp16, const float* scale,
                               const float* codebook, int k, int64_t out, int64_t in, void* y, void* stream);
 
-/* The tiled layout of large K = 2, 4 and 5 Linear weights (kbit_hf/format.py, "The tiled layout"; out % 16 == 0,
+/* The tiled layout of large K = 2..5 Linear weights (kbit_hf/format.py, "The tiled layout"; out % 16 == 0,
  * in % 256 == 0, e4m4 block scales): wt uint8 [out, in * k / 8], at uint8 [out, in / 32], a permutation of packed
- * uint32 [out, in / 32 * k] and absmax uint8 [out, in / 32]. k: 2, 4 or 5. */
+ * uint32 [out, in / 32 * k] and absmax uint8 [out, in / 32]. k: 2..5. */
 KBIT_API int kbit_tile(const uint32_t* packed, const void* absmax, int k, int64_t out, int64_t in, void* wt, void* at,
                        void* stream);
 KBIT_API int kbit_untile(const void* wt, const void* at, int k, int64_t out, int64_t in, uint32_t* packed, void* absmax,

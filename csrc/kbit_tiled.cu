@@ -1,4 +1,4 @@
-// kbit_tiled.cu: the tiled layout of large K = 2, 4 and 5 Linear weights on sm_90 (kbit_hf/format.py, "The tiled
+// kbit_tiled.cu: the tiled layout of large K = 2..5 Linear weights on sm_90 (kbit_hf/format.py, "The tiled
 // layout"): the conversions from and to the bit planes, two fused GEMVs over it (M = 1..64) and its dequantize.
 //
 // Layout (out % 16 == 0, in % 256 == 0; T = out / 16 tiles, C = in / 128 chunks per row): a permutation of the bits
@@ -44,11 +44,12 @@ constexpr uint32_t TABLE = 0x10000;  // the pair table (K = 2, 4: 256 rows of 25
                                      // two such windows); after the main loop, the boundary partials
                                      // [NW][2][NT][32 lanes][4] floats
 constexpr uint32_t ITEM_A = 128;     // block-scale bytes of an item (16 rows x 256 elements)
-// Per-K sizes of the layout: per (tile, chunk) each lane holds 8 K bytes (K = 2, 4: 2 K per block; K = 5: K = 4's 32
-// bytes of low nibbles, then 8 bytes of high bits); an item (2 chunks) is 512 K bytes of weights and 128 of scales.
+// Per-K sizes of the layout: per (tile, chunk) each lane holds 8 K bytes (K = 2, 4: 2 K per block; K = 3: 12 per two
+// blocks; K = 5: K = 4's 32 bytes of low nibbles, then 8 bytes of high bits); an item (2 chunks) is 512 K bytes of
+// weights and 128 of scales.
 template <int K>
 struct Tiled {
-  static_assert(K == 2 || K == 4 || K == 5, "the tiled layout holds K = 2, 4 and 5");
+  static_assert(K >= 2 && K <= 5, "the tiled layout holds K = 2..5");
   static constexpr uint32_t CHUNK_W = 256 * K, ITEM_W = 2 * CHUNK_W, ITEM = ITEM_W + ITEM_A;
   static constexpr int WORDS = 4 * K;               // 32-bit words of weights per lane and item
   static constexpr uint32_t ENTRY = K == 2 ? 8 : 4;  // bytes per pair-table entry (4: one pair, 8: two); replica l at
@@ -100,7 +101,8 @@ __device__ __forceinline__ uint2 lds64_at(uint32_t addr) {
 // The pair table: 256 rows of 256 bytes at TABLE + 256 * byte, one per value of a weight byte, each holding 32
 // replicas of its entry (lane l reads replica l: conflict-free). K = 4: a byte is a pair of indices (lo | hi << 4),
 // its entry (cb[lo], cb[hi]) in T (4 bytes, half the row used); K = 2: a byte is two pairs (idx[e] << 2 i, i < 4),
-// its entry both pairs' values (8 bytes, the row full). K = 5: a pair is its byte of low nibbles and its two high bits
+// its entry both pairs' values (8 bytes, the row full). K = 3: a byte's bits 0..5 are a pair, its entry (cb[lo],
+// cb[hi]) as K = 4's. K = 5: a pair is its byte of low nibbles and its two high bits
 // h0, h1; its entry is (cb[lo | h0 << 4], cb[hi | h1 << 4]). WIDE: at TABLE + 0x10000 h1 + 256 byte + 128 h0 + 4 l,
 // 128 KB; otherwise (16 replicas) at TABLE + 256 byte + 128 h1 + 64 h0 + 4 (l % 16). Built from each lane's codebook
 // entry cb_lane = cb[lane % 2^K] by shuffles, times factor (TiledScales), by all NTHREADS threads of the CTA (whole
@@ -130,6 +132,10 @@ __device__ __forceinline__ void build_pair_table(unsigned char* win, float cb_la
       const uint32_t w = Mma<T>::pack(cb(R & 15u), cb(R >> 4));
       v = make_uint4(w, w, w, w);
       at = TABLE + 256 * R;
+    } else if constexpr (K == 3) {  // bits 6, 7 of a K = 3 byte belong to another pair (lookup_block): ignored here
+      const uint32_t w = Mma<T>::pack(cb(R & 7u), cb((R >> 3) & 7u));
+      v = make_uint4(w, w, w, w);
+      at = TABLE + 256 * R;
     } else {
       const uint32_t w0 = Mma<T>::pack(cb(R & 3u), cb((R >> 2) & 3u)), w1 = Mma<T>::pack(cb((R >> 4) & 3u), cb(R >> 6));
       v = make_uint4(w0, w1, w0, w1);
@@ -144,10 +150,20 @@ template <int K, bool WIDE>
 __device__ __forceinline__ uint32_t table_lane(int lane) {
   return 0x0100u | (uint32_t)(K == 5 && !WIDE ? lane & 15 : lane) * Tiled<K>::ENTRY;
 }
-// this lane's weight words of the item in the ring slot at sl: 8 K bytes of each chunk. K = 5: words 0..15 are the
+// this lane's weight words of the item in the ring slot at sl: 8 K bytes of each chunk. K = 3: words 3 i .. 3 i + 2
+// are blocks 2 i and 2 i + 1 of the item. K = 5: words 0..15 are the
 // low nibbles as K = 4's (8 per chunk), words 16 + 2 c, 17 + 2 c chunk c's high bits
 template <int K>
 __device__ __forceinline__ void load_item_words(uint32_t sl, int lane, uint32_t (&w)[Tiled<K>::WORDS]) {
+  if constexpr (K == 3) {  // 24 bytes per lane and chunk: words 6 c .. 6 c + 5 (8-byte aligned)
+#pragma unroll
+    for (int i = 0; i < 6; ++i) {
+      const uint2 v = lds64_at(sl + (i / 3) * Tiled<K>::CHUNK_W + lane * 24 + (i % 3) * 8);
+      w[2 * i] = v.x;
+      w[2 * i + 1] = v.y;
+    }
+    return;
+  }
   constexpr int KL = K == 5 ? 4 : K;  // the bytes read as K = KL's
   constexpr uint32_t LANE_B = 8 * KL;
 #pragma unroll
@@ -167,9 +183,18 @@ __device__ __forceinline__ void load_item_words(uint32_t sl, int lane, uint32_t 
     }
   }
 }
+// (a & m) | (b & ~m): one LOP3
+__device__ __forceinline__ uint32_t bitsel(uint32_t a, uint32_t b, uint32_t m) { return (a & m) | (b & ~m); }
+// K = 3: the word of pair bytes of registers (1, j) of a block pair's odd block, gathered from bits 6, 7 of the three
+// words' bytes j (k3_byte; bits 6, 7 of the result are not the pair's, and the table ignores them)
+__device__ __forceinline__ uint32_t k3_spare(uint32_t w0, uint32_t w1, uint32_t w2) {
+  const uint32_t u = bitsel(w0 >> 6, w1 >> 4, 0x03030303u);
+  return bitsel(u, w2 >> 2, 0x0F0F0F0Fu);
+}
 // the A operands of block kb of the item (k slices h = 0, 1 of m16n8k16): A[h][j] is register a_j of slice h (j & 1:
 // row g + 8), straight from the table. K = 4: one lookup per register; K = 2: one 8-byte lookup per two (a_rh and
-// a_rh+2: the two pairs of a byte). K = 5: K = 4's lookup, the pair's two high bits added to the address: high word
+// a_rh+2: the two pairs of a byte). K = 3: one lookup per register (an even block's from its two words, an odd
+// block's from its word and k3_spare: 5 integer operations per 4 pairs). K = 5: K = 4's lookup, the pair's two high bits added to the address: high word
 // w[16 + kb / 2] holds register (h, j)'s bits at 16 h + 8 (kb & 1) + 2 j (+ 1), so one shift, mask and add put the
 // bits of (0, j) and (1, j) into H = [lane byte | h0 << 7, 1 + h1, lane byte | h0' << 7, 1 + h1'] (WIDE; otherwise
 // [lane byte | h0 << 6 | h1 << 7, 1, ..]), and a PRMT takes the address bytes (lane byte, weight byte j, window byte,
@@ -187,6 +212,14 @@ __device__ __forceinline__ void lookup_block(const uint32_t (&w)[Tiled<K>::WORDS
       const uint32_t H = ((sh >= TO ? hw >> (sh - TO) : hw << (TO - sh)) & MASK) + base;
       A[0][j] = lds_at(prmt(w[2 * kb], H, 0xD504u | (uint32_t)j << 4));
       A[1][j] = lds_at(prmt(w[2 * kb + 1], H, 0xF706u | (uint32_t)j << 4));
+    }
+  } else if constexpr (K == 3) {
+    const int i = 3 * (kb >> 1);  // the block pair's three words (k3_byte)
+    const uint32_t w0 = (kb & 1) ? w[i + 2] : w[i], w1 = (kb & 1) ? k3_spare(w[i], w[i + 1], w[i + 2]) : w[i + 1];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      A[0][j] = lds_at(prmt(w0, cl, 0x6504u | (uint32_t)j << 4));
+      A[1][j] = lds_at(prmt(w1, cl, 0x6504u | (uint32_t)j << 4));
     }
   } else {
 #pragma unroll
@@ -723,7 +756,11 @@ struct TiledByte {
 __host__ __device__ constexpr int k5_high_bit(int b, int h, int j, int s) {
   return 32 * (b >> 1) + 16 * h + 8 * (b & 1) + 2 * j + s;
 }
-// the bits of the byte's indices that the byte itself holds: K, or K = 5's low 4
+// K = 3: lane byte 12 gi + 4 wi + j of a chunk (gi < 2: blocks 2 gi and 2 gi + 1; wi < 3; j < 4) holds in bits 0..5
+// the pair idx[e] | idx[e + 1] << 3 of register (h, j) of block b, (b, h) = (2 gi, 0), (2 gi, 1), (2 gi + 1, 0) for
+// wi = 0, 1, 2, and in bits 6, 7 bits 2 wi, 2 wi + 1 of the pair of register (1, j) of block 2 gi + 1 (k3_spare);
+// register (h, j) of block b is the pair at element 32 b + 8 q + 4 h + 2 (j >> 1) of row g + 8 (j & 1), as K = 4's.
+// The bits of the byte's indices that the byte itself holds: K, or K = 5's low 4
 template <int K>
 constexpr int byte_bits() {
   return K == 5 ? 4 : K;
@@ -736,7 +773,7 @@ template <int K>
 __global__ void tile_kernel(const uint32_t* __restrict__ packed, const uint8_t* __restrict__ absmax, int64_t out,
                             int in, uint32_t* __restrict__ wt, uint8_t* __restrict__ at) {
   constexpr int KB = byte_bits<K>();
-  constexpr int LW = 2 * KB;     // words per lane and chunk (K = 5: of low nibbles)
+  constexpr int LW = 2 * KB;     // words per lane and chunk (K = 5: of low nibbles; K = 3: 6, its own branch)
   constexpr int CW = 64 * K;     // words per (tile, chunk)
   const int C = in / 128, nb = in / 32;
   const int64_t nwords = out * (int64_t)in * K / 32;
@@ -746,7 +783,29 @@ __global__ void tile_kernel(const uint32_t* __restrict__ packed, const uint8_t* 
     const int c = (int)(tc % C);
     const int64_t t = tc / C;
     uint32_t word = 0;
-    if (r < 32 * LW) {  // word wi of lane l
+    if constexpr (K == 3) {  // word wl = 3 gi + wi of lane l
+      const int l = r / 6, wl = r % 6, gi = wl / 3, wi = wl % 3;
+      const int g = l >> 2, q = l & 3;
+      auto pair = [&](int b, int h, int j) {  // register (h, j) of block b, from the bit planes
+        const int64_t row = 16 * t + g + 8 * (j & 1);
+        const int e = 8 * q + 4 * h + 2 * (j >> 1);
+        const uint32_t* p = packed + (row * nb + 4 * c + b) * 3;
+        uint32_t v = 0;
+#pragma unroll
+        for (int pl = 0; pl < 3; ++pl) {
+          const uint32_t x = __ldg(p + pl);
+          v |= ((x >> e) & 1u) << pl | ((x >> (e + 1)) & 1u) << (3 + pl);
+        }
+        return v;
+      };
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t byte = pair(2 * gi + (wi == 2), wi == 1, j) | ((pair(2 * gi + 1, 1, j) >> (2 * wi)) & 3u) << 6;
+        word |= byte << (8 * j);
+      }
+      if (l == 0 && wl < 4)
+        for (int rr = 0; rr < 16; ++rr) at[(tc * 16 + rr) * 4 + wl] = absmax[(16 * t + rr) * nb + 4 * c + wl];
+    } else if (r < 32 * LW) {  // word wi of lane l
       const int wi = r % LW, l = r / LW;
       const int g = l >> 2, q = l & 3;
 #pragma unroll
@@ -797,24 +856,42 @@ __global__ void untile_kernel(const uint8_t* __restrict__ wt, const uint8_t* __r
     const int rr = (int)(r & 15), g = rr & 7, hi = rr >> 3;
     const uint8_t* chunk = wt + (t * C + c) * Tiled<K>::CHUNK_W;
     uint32_t pl[K] = {};
-    for (int q = 0; q < 4; ++q)
-      for (int h = 0; h < 2; ++h)
-        for (int m = 0; m < KB / 2; ++m) {
-          const int B = 2 * KB * b + KB * h + 2 * m + hi;
-          const uint32_t byte = chunk[(4 * g + q) * (8 * KB) + B];
-          const int e = TiledByte<KB>(B).element(q) - 32 * b;
+    if constexpr (K == 3) {
+      for (int q = 0; q < 4; ++q) {
+        const uint8_t* lb = chunk + (4 * g + q) * 24 + 12 * (b >> 1);  // the lane's block pair (k3_byte)
+        for (int h = 0; h < 2; ++h)
+          for (int m = 0; m < 2; ++m) {
+            const int j = 2 * m + hi;
+            uint32_t P = 0;
+            if ((b & 1) == 0 || h == 0) {
+              P = lb[4 * ((b & 1) ? 2 : h) + j] & 63u;
+            } else {
+              for (int wi = 0; wi < 3; ++wi) P |= ((uint32_t)(lb[4 * wi + j] >> 6) & 3u) << (2 * wi);
+            }
+            const int e = 8 * q + 4 * h + 2 * m;
+            for (int j2 = 0; j2 < 3; ++j2) pl[j2] |= ((P >> j2) & 1u) << e | ((P >> (3 + j2)) & 1u) << (e + 1);
+          }
+      }
+    } else {
+      for (int q = 0; q < 4; ++q)
+        for (int h = 0; h < 2; ++h)
+          for (int m = 0; m < KB / 2; ++m) {
+            const int B = 2 * KB * b + KB * h + 2 * m + hi;
+            const uint32_t byte = chunk[(4 * g + q) * (8 * KB) + B];
+            const int e = TiledByte<KB>(B).element(q) - 32 * b;
 #pragma unroll
-          for (int ii = 0; ii < 8 / KB; ++ii)
+            for (int ii = 0; ii < 8 / KB; ++ii)
 #pragma unroll
-            for (int j = 0; j < KB; ++j) pl[j] |= ((byte >> (KB * ii + j)) & 1u) << (e + ii);
-          if constexpr (K == 5) {
-            const uint8_t* high = chunk + 32 * 32 + (4 * g + q) * 8;
-            for (int s = 0; s < 2; ++s) {
-              const int hb = k5_high_bit(b, h, 2 * m + hi, s);
-              pl[4] |= ((uint32_t)(high[hb >> 3] >> (hb & 7)) & 1u) << (e + s);
+              for (int j = 0; j < KB; ++j) pl[j] |= ((byte >> (KB * ii + j)) & 1u) << (e + ii);
+            if constexpr (K == 5) {
+              const uint8_t* high = chunk + 32 * 32 + (4 * g + q) * 8;
+              for (int s = 0; s < 2; ++s) {
+                const int hb = k5_high_bit(b, h, 2 * m + hi, s);
+                pl[4] |= ((uint32_t)(high[hb >> 3] >> (hb & 7)) & 1u) << (e + s);
+              }
             }
           }
-        }
+    }
 #pragma unroll
     for (int j = 0; j < K; ++j) packed[i * K + j] = pl[j];
     absmax[i] = at[((t * C + c) * 16 + rr) * 4 + b];
@@ -842,33 +919,49 @@ __global__ void dequant_tiled_kernel(const uint8_t* __restrict__ wt, const uint8
     const int c = (int)(tc % C);
     const int64_t t = tc / C;
     const int g = l >> 2, q = l & 3;
-    const uint8_t* lw = wt + tc * Tiled<K>::CHUNK_W + l * (8 * KB) + 2 * KB * b;  // the lane's bytes of block b
-    uint32_t wd[KB / 2];  // bytes 2 K b .. 2 K b + 2 K - 1 of the lane's chunk
-    if constexpr (KB == 4) {
-      const uint2 v = *reinterpret_cast<const uint2*>(lw);
-      wd[0] = v.x;
-      wd[1] = v.y;
-    } else {
-      wd[0] = *reinterpret_cast<const uint32_t*>(lw);
-    }
-    uint32_t hw = 0;  // K = 5: the block's high bits, bit 16 h + 2 j + s (k5_high_bit for b = 0)
-    if constexpr (K == 5)
-      hw = *reinterpret_cast<const uint32_t*>(wt + tc * Tiled<K>::CHUNK_W + 32 * 32 + l * 8 + 4 * (b >> 1)) >>
-           (8 * (b & 1));
     const uint32_t s0 = at[(tc * 16 + g) * 4 + b], s1 = at[(tc * 16 + g + 8) * 4 + b];
     const float d[2] = {e4m4_decode(s0), e4m4_decode(s1)};
-    float v[2][8];  // [row g / g + 8][element 8 q + ..]
+    float v[2][8];  // [row g / g + 8][element 8 q + ..] (compile-time indices only: v stays in registers)
+    auto put = [&](int rh, int e, uint32_t idx) {
+      const float c = __shfl_sync(0xFFFFFFFFu, cb, (int)idx);
+      v[rh][e] = __fmul_rn(__fmul_rn(c, d[rh]), sc);
+    };
+    if constexpr (K == 3) {  // the block pair's three words (k3_byte); an odd block reads its word and k3_spare's
+      const uint32_t* lw = reinterpret_cast<const uint32_t*>(wt + tc * Tiled<K>::CHUNK_W + l * 24 + 12 * (b >> 1));
+      const uint32_t w0 = lw[0], w1 = lw[1], w2 = lw[2];
+      const uint32_t pw[2] = {(b & 1) ? w2 : w0, (b & 1) ? k3_spare(w0, w1, w2) : w1};
 #pragma unroll
-    for (int B = 0; B < 2 * KB; ++B) {  // byte 2 K b + B of the lane's chunk: its place inside the block is B's
-      const TiledByte<KB> p(B);            // (compile-time indices: v stays in registers)
-      const uint32_t byte = (wd[B >> 2] >> (8 * (B & 3))) & 0xFFu;
-      const int e = p.element(0);
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int k = 0; k < 8 / KB; ++k) {
-        uint32_t idx = (byte >> (KB * k)) & ((1u << KB) - 1);
-        if constexpr (K == 5) idx |= ((hw >> k5_high_bit(0, p.h, B & 3, k)) & 1u) << 4;
-        const float c = __shfl_sync(0xFFFFFFFFu, cb, (int)idx);
-        v[p.rh][e + k] = __fmul_rn(__fmul_rn(c, d[p.rh]), sc);
+        for (int j = 0; j < 4; ++j) {  // register (h, j): row g + 8 (j & 1), elements 4 h + 2 (j >> 1) + 0, 1
+          const uint32_t P = pw[h] >> (8 * j);
+          put(j & 1, 4 * h + 2 * (j >> 1), P & 7u);
+          put(j & 1, 4 * h + 2 * (j >> 1) + 1, (P >> 3) & 7u);
+        }
+    } else {
+      const uint8_t* lw = wt + tc * Tiled<K>::CHUNK_W + l * (8 * KB) + 2 * KB * b;  // the lane's bytes of block b
+      uint32_t wd[KB / 2];  // bytes 2 K b .. 2 K b + 2 K - 1 of the lane's chunk
+      if constexpr (KB == 4) {
+        const uint2 u = *reinterpret_cast<const uint2*>(lw);
+        wd[0] = u.x;
+        wd[1] = u.y;
+      } else {
+        wd[0] = *reinterpret_cast<const uint32_t*>(lw);
+      }
+      uint32_t hw = 0;  // K = 5: the block's high bits, bit 16 h + 2 j + s (k5_high_bit for b = 0)
+      if constexpr (K == 5)
+        hw = *reinterpret_cast<const uint32_t*>(wt + tc * Tiled<K>::CHUNK_W + 32 * 32 + l * 8 + 4 * (b >> 1)) >>
+             (8 * (b & 1));
+#pragma unroll
+      for (int B = 0; B < 2 * KB; ++B) {  // byte 2 K b + B of the lane's chunk: its place inside the block is B's
+        const TiledByte<KB> p(B);
+        const uint32_t byte = (wd[B >> 2] >> (8 * (B & 3))) & 0xFFu;
+#pragma unroll
+        for (int k = 0; k < 8 / KB; ++k) {
+          uint32_t idx = (byte >> (KB * k)) & ((1u << KB) - 1);
+          if constexpr (K == 5) idx |= ((hw >> k5_high_bit(0, p.h, B & 3, k)) & 1u) << 4;
+          put(p.rh, p.element(0) + k, idx);
+        }
       }
     }
     if (!valid) continue;
@@ -982,13 +1075,14 @@ int dequantize_tiled_k(const void* wt, const void* at, const float* scale, const
   }
 }
 
-// The one place where k becomes the template argument K: f(std::integral_constant<int, K>) for k = 2, 4 or 5, or
+// The one place where k becomes the template argument K: f(std::integral_constant<int, K>) for k = 2..5, or
 // cudaErrorInvalidValue.
 template <typename F>
 int with_tiled_k(int k, F&& f) {
   if (k == 4) return f(std::integral_constant<int, 4>{});
   if (k == 2) return f(std::integral_constant<int, 2>{});
   if (k == 5) return f(std::integral_constant<int, 5>{});
+  if (k == 3) return f(std::integral_constant<int, 3>{});
   return (int)cudaErrorInvalidValue;
 }
 

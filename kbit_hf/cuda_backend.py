@@ -49,8 +49,8 @@ __all__ = [
 
 GEMV_MAX_M = 64  # the fused dequant-GEMV handles up to this many activation rows; more -> dequantize + cuBLAS
 # csrc/kbit_quant.cu kbit_abi_version(); 2: kbit_gemv takes M <= 64; 3: the tiled layout; 4: kernel arg; 5: the tiled
-# functions take k (K = 2 tiled); 6: K = 5 tiled
-_ABI_VERSION = 6
+# functions take k (K = 2 tiled); 6: K = 5 tiled; 7: K = 3 tiled
+_ABI_VERSION = 7
 # expert GEMV (one kernel, each row reads its expert's weights) up to this many rows; more -> per-expert matmuls
 # after one host sync. A MoE prefill of 64 tokens x top-8 is 512 rows: the per-expert loop launches several kernels
 # for each expert present and is launch-bound there, while re-reading an expert's weights per row mostly hits L2.
@@ -221,7 +221,7 @@ def _check_shapes(packed, absmax, scale, k, in_features):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the tiled layout of large K = 2, 4 and 5 Linear weights (format.tile; csrc/kbit_tiled.cu)
+# the tiled layout of large K = 2..5 Linear weights (format.tile; csrc/kbit_tiled.cu)
 
 # KbitLinear tiles a weight with at least this many elements (K = 4: a 4096 x 4096 layer measured even with v6 at
 # M <= 4 and slower at M = 16..32, 6144 x 4096 1.14-1.39x faster; docs/kernels.md, "Tiled layout")

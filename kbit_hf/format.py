@@ -202,7 +202,7 @@ def empty_quantized(shape: tuple[int, ...], k: int, absmax_format: str, device=N
             torch.empty(shapes["scale"], dtype=torch.float32, device=device))
 
 
-# ---- The tiled layout: how large K = 2 / 4 / 5 Linear weights sit in GPU memory (docs/kernels.md, "Tiled layout") ----
+# ---- The tiled layout: how large Linear weights (K = 2..5) sit in GPU memory (docs/kernels.md, "Tiled layout") ----
 # A permutation of the bits of (packed, absmax) with the same byte counts: packed becomes uint8 [out, in * K / 8]
 # (that dtype is what marks a tiled tensor), absmax keeps its shape. Checkpoints always hold the bit planes above.
 # Weights, 256 K bytes per (16-row tile t, 128-element chunk c), 8 K per lane l = 4 g + q (g < 8, q < 4).
@@ -213,11 +213,14 @@ def empty_quantized(shape: tuple[int, ...], k: int, absmax_format: str, device=N
 # K = 5: a (tile, chunk) is 32 lanes x 32 bytes of the indices' low 4 bits, byte for byte K = 4's layout, then 32
 # lanes x 8 bytes of their high bits: bit 32 (b >> 1) + 16 h + 8 (b & 1) + 2 j + s of lane l's 64 (little-endian)
 # is bit 4 of index s of the pair in its low-nibble byte 8 b + 4 h + j (so the GEMV turns two pairs' high bits into
-# table-address bits with one shift, mask and add). Block scales, 64 bytes per (t, c): byte ((t * C + c) * 16 + r)
-# * 4 + b is block 4 c + b of row 16 t + r.
+# table-address bits with one shift, mask and add). K = 3: lane l's 24 bytes per chunk are 12 per block pair (2 gi,
+# 2 gi + 1); byte 12 gi + 4 wi + j holds in bits 0..5 the pair idx[e] | idx[e + 1] << 3 of register (h, j) (as K = 4's
+# byte 8 b + 4 h + j) of (b, h) = (2 gi, 0), (2 gi, 1), (2 gi + 1, 0) for wi = 0, 1, 2, and in bits 6, 7 bits 2 wi,
+# 2 wi + 1 of the pair of register (1, j) of block 2 gi + 1 (five integer operations gather those four). Block
+# scales, 64 bytes per (t, c): byte ((t * C + c) * 16 + r) * 4 + b is block 4 c + b of row 16 t + r.
 TILE_ROWS = 16
 TILE_IN = 256  # in_features must be a multiple of this (two chunks: the GEMV's unit of work)
-TILED_K = (2, 4, 5)
+TILED_K = (2, 3, 4, 5)
 
 
 def tileable(out_features: int, in_features: int, k: int, absmax_format: str) -> bool:
@@ -233,9 +236,24 @@ def _tile_rows(out: int, in_features: int):
     return ((a, min(a + step, out)) for a in range(0, out, step))
 
 
+def _k3_pairs(idx: torch.Tensor) -> torch.Tensor:
+    """K = 3 indices [rows, in] -> pairs idx[e] | idx[e + 1] << 3 as [t, c, lane, gi, b & 1, h, j] (block b = 2 gi +
+    (b & 1), register (h, j) of the lane's A fragment, as K = 4's pairs)."""
+    rows, in_features = idx.shape
+    v = idx.view(rows // 16, 2, 8, in_features // 128, 4, 4, 2, 2, 2)  # t, rh, g, c, b, q, h, j >> 1, s
+    pair = v[..., 0] | v[..., 1] << 3
+    return pair.permute(0, 3, 2, 5, 4, 6, 7, 1).reshape(rows // 16, in_features // 128, 32, 2, 2, 2, 4)
+
+
 def _tiled_bytes(idx: torch.Tensor, k: int) -> torch.Tensor:
     """Indices [rows, in] (rows % 16 == 0) -> their tiled bytes [rows, in * k / 8]."""
     rows, in_features = idx.shape
+    if k == 3:  # lane bytes 12 gi + 4 wi + j: pairs of (b & 1, h) = (0, 0), (0, 1), (1, 0); bits 6, 7: the (1, 1) pair's
+        p = _k3_pairs(idx)
+        direct = torch.stack([p[..., 0, 0, :], p[..., 0, 1, :], p[..., 1, 0, :]], -2)  # t, c, lane, gi, wi, j
+        wi = torch.arange(3, device=idx.device).view(3, 1)
+        spare = (p[..., 1, 1, :].unsqueeze(-2) >> 2 * wi) & 3
+        return (direct | spare << 6).to(torch.uint8).reshape(rows, -1)
     kb = 4 if k == 5 else k  # index bits in the main bytes (K = 5: the low nibbles)
     n, C = 8 // kb, in_features // 128
     shifts = torch.arange(0, 8, kb, device=idx.device)
@@ -255,6 +273,13 @@ def _tiled_indices(wt: torch.Tensor, in_features: int, k: int) -> torch.Tensor:
     rows = wt.shape[0]
     kb = 4 if k == 5 else k
     C = in_features // 128
+    if k == 3:
+        b = wt.reshape(rows // 16, C, 32, 2, 3, 4).long()  # t, c, lane, gi, wi, j
+        wi = torch.arange(3, device=wt.device).view(3, 1)
+        spare = (((b >> 6) & 3) << 2 * wi).sum(-2)
+        p = torch.stack([b[..., 0, :] & 63, b[..., 1, :] & 63, b[..., 2, :] & 63, spare], -2)  # (b & 1, h) order
+        p = p.view(rows // 16, C, 8, 4, 4, 2, 2, 2).permute(0, 7, 2, 1, 4, 3, 5, 6)  # t, rh, g, c, b, q, h, j >> 1
+        return torch.stack([p & 7, p >> 3], -1).reshape(rows, in_features)
     shifts = torch.arange(0, 8, kb, device=wt.device)
     w = wt.reshape(rows // 16, C, 256 * k).long()
     byte = w[..., :256 * kb].reshape(rows // 16, C, 8, 4, 4, 2, kb // 2, 2).permute(0, 7, 2, 1, 4, 3, 5, 6)
@@ -268,7 +293,7 @@ def _tiled_indices(wt: torch.Tensor, in_features: int, k: int) -> torch.Tensor:
 
 
 def tile(packed: torch.Tensor, absmax: torch.Tensor, in_features: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bit planes uint32 [out, in / 32 * k] + e4m4 absmax [out, nb] -> the tiled layout (K = 2, 4 or 5; see above)."""
+    """Bit planes uint32 [out, in / 32 * k] + e4m4 absmax [out, nb] -> the tiled layout (K = 2..5; see above)."""
     out = packed.shape[0]
     if packed.dtype != torch.uint32 or absmax.dtype != torch.uint8 or not tileable(out, in_features, k, "e4m4") \
             or tuple(packed.shape) != (out, in_features // 32 * k) or tuple(absmax.shape) != (out, in_features // 32):

@@ -72,7 +72,7 @@ class KbitLinear(nn.Linear):
     def is_packed(self) -> bool:
         return self.weight.dtype in (torch.uint32, torch.uint8)
 
-    # ---- the tiled layout (format.tile): the GPU in-memory layout of large K = 2 / 4 / 5 weights on sm_90 --------
+    # ---- the tiled layout (format.tile): the GPU in-memory layout of large weights on sm_90 -------------------
     # `weight` / `weight_absmax` then hold a byte permutation of the bit planes (uint8 weight); state_dict() and
     # load_state_dict() still speak the bit planes, so checkpoints never see it.
     @property

@@ -25,6 +25,8 @@ def _quantized(out_f, in_f, seed=0, k=4):
 def _tiled_by_definition(packed, absmax, out_f, in_f, k):
     """The layout byte by byte, exactly as format.py words it (slow; small shapes only)."""
     idx = fmt.unpack_bitplanes(packed, k).flatten(-2)
+    if k == 3:
+        return _tiled_k3_by_definition(idx, absmax, out_f, in_f)
     kb = 4 if k == 5 else k  # K = 5: K = 4's bytes of the low nibbles, then the high bits
     C, n = in_f // 128, 8 // kb
     wt = torch.zeros(out_f * in_f * k // 8, dtype=torch.uint8)
@@ -48,6 +50,32 @@ def _tiled_by_definition(packed, absmax, out_f, in_f, k):
                 for b in range(4):
                     at[((t * C + c) * 16 + r) * 4 + b] = absmax[16 * t + r, 4 * c + b]
     return wt.view(out_f, -1), at.view(out_f, -1)
+
+
+def _tiled_k3_by_definition(idx, absmax, out_f, in_f):
+    """K = 3 as format.py words it: lane byte 12 gi + 4 wi + j holds in bits 0..5 the pair of register (h, j) of block
+    b, (b, h) = (2 gi, 0), (2 gi, 1), (2 gi + 1, 0) for wi = 0, 1, 2, and in bits 6, 7 bits 2 wi, 2 wi + 1 of the pair
+    of register (1, j) of block 2 gi + 1."""
+    C = in_f // 128
+    wt = torch.zeros(out_f * in_f * 3 // 8, dtype=torch.uint8)
+
+    def pair(t, c, g, q, b, h, j):
+        r, e = 16 * t + g + 8 * (j & 1), 128 * c + 32 * b + 8 * q + 4 * h + 2 * (j >> 1)
+        return int(idx[r, e]) | int(idx[r, e + 1]) << 3
+
+    for t in range(out_f // 16):
+        for c in range(C):
+            for g in range(8):
+                for q in range(4):
+                    for gi in range(2):
+                        for wi in range(3):
+                            for j in range(4):
+                                b, h = 2 * gi + (wi == 2), int(wi == 1)
+                                spare = pair(t, c, g, q, 2 * gi + 1, 1, j)
+                                byte = pair(t, c, g, q, b, h, j) | ((spare >> 2 * wi) & 3) << 6
+                                wt[(t * C + c) * 768 + (4 * g + q) * 24 + 12 * gi + 4 * wi + j] = byte
+    at = absmax.view(out_f // 16, 16, C, 4).permute(0, 2, 1, 3).reshape(out_f, -1)
+    return wt.view(out_f, -1), at
 
 
 def test_k4_layout_pairs():
@@ -90,9 +118,6 @@ def test_tile_refuses_what_the_layout_cannot_hold():
     p4, a4, _ = reference.quantize(torch.randn(16, 256), fmt.nf0_codebook(4), 4, "fp16")
     with pytest.raises(ValueError, match="cannot tile"):
         fmt.tile(p4, a4, 256, 4)
-    p5, a5, _ = _quantized(16, 256, k=3)
-    with pytest.raises(ValueError, match="cannot tile"):  # K = 3 has no tiled layout
-        fmt.tile(p5, a5, 256, 3)
     with pytest.raises(ValueError, match="cannot tile"):  # K = 4 planes called K = 2
         fmt.tile(packed, absmax, 256, 2)
     with pytest.raises(ValueError, match="not a tiled"):
@@ -110,11 +135,9 @@ def test_reference_ops_read_the_tiled_layout(k):
     x = torch.randn(3, 768, dtype=torch.bfloat16)
     assert torch.equal(reference.linear(x, wt, at, scale, cb, k, 768), reference.linear(x, packed, absmax, scale, cb,
                                                                                            k, 768))
-    other = {2: 4, 4: 2, 5: 4}[k]  # a tiled weight read as another K
-    with pytest.raises(ValueError, match=f"not a tiled K = {other}"):
-        reference.dequantize(wt, at, scale, fmt.nf0_codebook(other), other, 768)
-    with pytest.raises(ValueError, match="not a tiled K = 3"):
-        reference.dequantize(wt, at, scale, fmt.nf0_codebook(3), 3, 768)
+    for other in set(fmt.TILED_K) - {k}:  # a tiled weight read as another K
+        with pytest.raises(ValueError, match=f"not a tiled K = {other}"):
+            reference.dequantize(wt, at, scale, fmt.nf0_codebook(other), other, 768)
 
 
 def _layer(out_f=32, in_f=256, bias=True, k=4):
@@ -150,7 +173,6 @@ def test_kbit_linear_tiled_forward_and_state_dict(k):
 def test_kbit_linear_does_not_tile_what_the_layout_cannot_hold():
     assert not _layer(out_f=24).tile_(force=True)  # out % 16
     assert not _layer(in_f=160).tile_(force=True)  # in % 256
-    assert not _layer(k=3).tile_(force=True)  # K = 3 has no tiled layout
 
 
 def test_save_pretrained_of_a_tiled_model_writes_bit_planes(tmp_path):

@@ -40,7 +40,7 @@ def main():
                     ids = torch.tensor([0, 1, -1, 2, 1], device="cuda")
                     cuda.expert_linear(x, ids, p, a, s, cb, k, shape[-1])
                     n += 1
-    # the tiled layout (K = 2, 4, 5, e4m4; the GEMV on sm_90 only): tile, untile, dequantize, GEMV for each token-tile
+    # the tiled layout (K = 2..5, e4m4; the GEMV on sm_90 only): tile, untile, dequantize, GEMV for each token-tile
     # count
     for k, shape in itertools.product(fmt.TILED_K, [(48, 512), (272, 768)]):
         cb = fmt.nf0_codebook(k).cuda()
