@@ -2,30 +2,31 @@
 // layout"): the conversions from and to the bit planes, two fused GEMVs over it (M = 1..64) and its dequantize.
 //
 // Layout (out % 16 == 0, in % 256 == 0; T = out / 16 tiles, C = in / 128 chunks per row): a permutation of the bits
-// of the bit planes and the e4m4 block scales. 256 K bytes of weights per (tile t, chunk c), 8 K per lane l = 4 g + q:
-// byte ((t * C + c) * 32 + l) * 8 K + 2 K b + K h + 2 m + rh holds the 8 / K indices of row 16 t + g + 8 rh from
-// element e = 128 c + 32 b + 8 q + 4 h + (8 / K) m on (index i at bits K i). For K = 4 a byte is the pair
+// of the bit planes and the e4m4 block scales. 256 K bytes of weights per (tile t, chunk c), 8 K per lane l = 4 g + q.
+// K = 2, 4: byte ((t * C + c) * 32 + l) * 8 K + 2 K b + K h + 2 m + rh holds the 8 / K indices of row 16 t + g + 8 rh
+// from element e = 128 c + 32 b + 8 q + 4 h + (8 / K) m on (index i at bits K i). For K = 4 a byte is the pair
 // idx[e] | idx[e + 1] << 4 (m picks the pair: registers a_{rh + 2 m} of lane l's m16n8k16 A fragment for the k slice
-// (b, h)); for K = 2 a byte is two pairs (a_rh and a_{rh + 2}). K = 5: K = 4's 32 bytes per lane of the indices'
-// low 4 bits, then 8 bytes per lane of their high bits (k5_high_bit). So a lane reads its bytes of a chunk with K / 2
-// 16-byte shared loads (K = 5: 2, and one 8-byte load), and the activations of the k slices of block b are the 8
-// consecutive elements 128 c + 32 b + 8 q .. + 7 (one 16-byte load per lane and token). Block scales, 64 bytes per
-// (t, c): byte ((t * C + c) * 16 + r) * 4 + b = block 4 c + b of row 16 t + r. Each k slice of an MMA lies inside one
-// block of each row, so the block scale multiplies the MMA's partial sums in fp32 (4 FFMA per block and lane).
+// (b, h)); for K = 2 a byte is two pairs (a_rh and a_{rh + 2}). K = 3: a byte is a 6-bit pair plus 2 bits of a
+// fourth pair of its word group (k3_byte). K = 5: K = 4's 32 bytes per lane of the indices' low 4 bits, then 8 bytes
+// per lane of their high bits (k5_high_bit). So a lane reads its bytes of a chunk with a few 16- or 8-byte shared
+// loads, and the activations of the k slices of block b are the 8 consecutive elements 128 c + 32 b + 8 q .. + 7 (one
+// 16-byte load per lane and token). Block scales, 64 bytes per (t, c): byte ((t * C + c) * 16 + r) * 4 + b = block
+// 4 c + b of row 16 t + r. Each k slice of an MMA lies inside one block of each row, so the block scale multiplies the
+// MMA's partial sums in fp32 (4 FFMA per block and lane).
 //
 // GEMV by warp ranges (gemv_tiled_kernel, M <= 8 and layers of few tiles; docs/kernels.md, "Tiled layout"): one
-// persistent CTA of NW warps per SM owns whole tiles
-// (an even split of the tiles over the grid). Its items (2 chunks: 512 K bytes of weights + 128 B of scales,
-// contiguous in the layout) are split into NW contiguous ranges, one per warp, so each warp streams one contiguous
-// byte range through its own ring of S shared-memory slots, filled by bulk asynchronous copies (cp.async.bulk, one
-// mbarrier per slot, lane 0 issues; TMA, sm_90). The pair table (build_pair_table: 256 rows, one per byte value, of
-// 32 replicas) lies at the shared-window address 0x10000 + 256 * byte + ENTRY * lane, so one PRMT of a weight byte
-// with table_lane(lane) is the whole address of a conflict-free lookup (K = 2: an 8-byte lookup gives two A
-// registers; 2 of each item's 8 blocks are decoded by PRMTs from the codebook in registers instead, which takes load
-// off the shared-memory pipe that binds K = 2; K = 5's table is 128 KB, the pair's high bits adding address bits:
-// lookup_block). NT tiles of 8 tokens share each looked-up A operand. Tiles inside a
-// warp's range are stored by that warp; the first and last tile of each range go through shared memory (the table's
-// space, after the loop) and are summed in warp order: deterministic, no atomics.
+// persistent CTA of NW warps per SM owns whole tiles (an even split of the tiles over the grid). Its items (2 chunks:
+// 512 K bytes of weights + 128 B of scales, contiguous in the layout) are split into NW contiguous ranges, one per
+// warp, so each warp streams one contiguous byte range through its own ring of S shared-memory slots, filled by bulk
+// asynchronous copies (cp.async.bulk, one mbarrier per slot, lane 0 issues; TMA, sm_90). The pair table
+// (build_pair_table: 256 rows, one per byte value, of 32 replicas) lies at the shared-window address 0x10000 + 256 *
+// byte + ENTRY * lane, so one PRMT of a weight byte with table_lane(lane) is the whole address of a conflict-free
+// lookup (K = 2: an 8-byte lookup gives two A registers; 2 of each item's 8 blocks are decoded by PRMTs from the
+// codebook in registers instead, which takes load off the shared-memory pipe that binds K = 2. K = 3: a fourth of the
+// pairs are gathered first; K = 5's table is 128 KB, the pair's high bits adding address bits: lookup_block). NT
+// tiles of 8 tokens share each looked-up A operand. Tiles inside a warp's range are stored by that warp; the first and
+// last tile of each range go through shared memory (the table's space, after the loop) and are summed in warp order:
+// deterministic, no atomics.
 // The batched GEMV (gemv_tiled_batch_kernel, M = 9..64 on layers of many tiles) has its own comment below.
 #include "kbit_api.h"
 #include "kbit_common.cuh"
@@ -194,11 +195,11 @@ __device__ __forceinline__ uint32_t k3_spare(uint32_t w0, uint32_t w1, uint32_t 
 // the A operands of block kb of the item (k slices h = 0, 1 of m16n8k16): A[h][j] is register a_j of slice h (j & 1:
 // row g + 8), straight from the table. K = 4: one lookup per register; K = 2: one 8-byte lookup per two (a_rh and
 // a_rh+2: the two pairs of a byte). K = 3: one lookup per register (an even block's from its two words, an odd
-// block's from its word and k3_spare: 5 integer operations per 4 pairs). K = 5: K = 4's lookup, the pair's two high bits added to the address: high word
-// w[16 + kb / 2] holds register (h, j)'s bits at 16 h + 8 (kb & 1) + 2 j (+ 1), so one shift, mask and add put the
-// bits of (0, j) and (1, j) into H = [lane byte | h0 << 7, 1 + h1, lane byte | h0' << 7, 1 + h1'] (WIDE; otherwise
-// [lane byte | h0 << 6 | h1 << 7, 1, ..]), and a PRMT takes the address bytes (lane byte, weight byte j, window byte,
-// the window byte's sign: 0) from H and the weight word.
+// block's from its word and k3_spare: 5 integer operations per 4 pairs). K = 5: K = 4's lookup, the pair's two high
+// bits added to the address: high word w[16 + kb / 2] holds register (h, j)'s bits at 16 h + 8 (kb & 1) + 2 j (+ 1),
+// so one shift, mask and add put the bits of (0, j) and (1, j) into H = [lane byte | h0 << 7, 1 + h1, lane byte |
+// h0' << 7, 1 + h1'] (WIDE; otherwise [lane byte | h0 << 6 | h1 << 7, 1, ..]), and a PRMT takes the address bytes
+// (lane byte, weight byte j, window byte, the window byte's sign: 0) from H and the weight word.
 template <int K, bool WIDE>
 __device__ __forceinline__ void lookup_block(const uint32_t (&w)[Tiled<K>::WORDS], int kb, uint32_t cl,
                                              uint32_t (&A)[2][4]) {
@@ -397,6 +398,34 @@ __device__ __forceinline__ void store_tile(T* y, const T* bias, int64_t out, int
   }
 }
 
+// What both tiled GEMVs start from: the shared window (win + window address = generic pointer; the dynamic shared
+// memory must start at or below BARS and reach end), the lane and the warp index (through a shuffle: the compiler then
+// knows it is warp-uniform and keeps the bulk-copy operands in uniform registers, no per-lane loop around each copy),
+// this lane's codebook entry (the pair table is built from it by shuffles), the tensor scale, and the CTA's tiles
+// [t0, t1) (an even split of the tiles over the grid). The loads are issued here and waited for where used.
+template <int K>
+struct TiledCta {
+  unsigned char* win;
+  int lane, warp;
+  float cb_lane, sc;
+  int64_t t0, t1;
+  __device__ __forceinline__ TiledCta(unsigned char* smem, uint32_t end, const float* codebook, const float* scale,
+                                      int64_t out) {
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
+    win = smem - base;
+    uint32_t dsz;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsz));
+    if (base > BARS || base + dsz < end) __trap();
+    lane = threadIdx.x & 31;
+    warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
+    cb_lane = __ldg(codebook + (lane & ((1 << K) - 1)));
+    sc = __ldg(scale);
+    const int64_t T_ = out / 16;
+    t0 = T_ * blockIdx.x / gridDim.x;
+    t1 = T_ * (blockIdx.x + 1) / gridDim.x;
+  }
+};
+
 // NT tiles of 8 tokens (M <= 8 NT). NT = 1 loads an item's activations before waiting for its weights; NT > 1 loads
 // one block's ahead (fewer registers): the first block's before the wait, block kb + 1's while kb computes.
 template <typename T, int K, int NW, int S, int NT>
@@ -411,27 +440,19 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   __trap();  // sm_90 only: the launcher refuses other devices
 #endif
   extern __shared__ __align__(128) unsigned char smem[];
-  const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
-  unsigned char* win = smem - base;  // win + window address = generic pointer
   static_assert(BARS + NW * S * 8 <= LOW && NW * 2 * NT * 512 <= 0x10000, "shared-memory map");
-  uint32_t dsz;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsz));
   using L = Tiled<K>;
   constexpr uint32_t TEND = table_end<K, true>();
-  if (base > BARS || base + dsz < ring_end<TEND, L::ITEM>(NW * S)) __trap();
-  // the warp index through a shuffle: the compiler then knows it is warp-uniform and keeps the bulk-copy operands in
-  // uniform registers (no per-lane loop around each copy)
-  const int lane = threadIdx.x & 31, warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
-  const int g = lane >> 2, q = lane & 3;
+  // Start-up, each wait a round trip to L2, overlapped: this lane's codebook entry and the tensor scale are loaded
+  // first (TiledCta), then the ring's first fetches are issued and the first item's activations prefetched into L1,
+  // then the table is built.
+  const TiledCta<K> cta(smem, ring_end<TEND, L::ITEM>(NW * S), codebook, scale, out);
+  unsigned char* win = cta.win;
+  const int lane = cta.lane, warp = cta.warp, g = lane >> 2, q = lane & 3;
+  const float sc = cta.sc;
+  const int64_t t0 = cta.t0, t1 = cta.t1;
   KBIT_STAMP(0);
-  // Start-up, each wait a round trip to L2, overlapped: this lane's codebook entry (the table is built from it by
-  // shuffles) and the tensor scale are loaded first, then the ring's first fetches are issued and the first item's
-  // activations prefetched into L1, then the table is built.
-  const float cb_lane = __ldg(codebook + (lane & ((1 << K) - 1)));
-  const float sc = __ldg(scale);
-  const int64_t T_ = out / 16;
   const int IPT = in / 256;  // items per tile
-  const int64_t t0 = T_ * blockIdx.x / gridDim.x, t1 = T_ * (blockIdx.x + 1) / gridDim.x;
   // item indices below are 32-bit and relative to the CTA's first item (a CTA holds far fewer than 2^31 items)
   const int n = (int)((t1 - t0) * IPT);  // the CTA's items
   auto range_begin = [&](int w2) { return (int)((int64_t)n * w2 / NW); };  // warp w2's items: [rb(w2), rb(w2 + 1))
@@ -461,9 +482,9 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       for (int kb = 0; kb < 8; ++kb)
         asm volatile("prefetch.global.L1 [%0];" ::"l"(x16 + xo[nt] + 32u * (u0 - tf * IPT) + 4 * kb));
   }
-  build_pair_table<T, K, true, NW * 32>(win, cb_lane, TiledScales<T>::SUM_TABLE);
+  build_pair_table<T, K, true, NW * 32>(win, cta.cb_lane, TiledScales<T>::SUM_TABLE);
   K2Regs cr{0u, 0u};
-  if constexpr (K == 2) cr = k2_regs<T>(cb_lane, TiledScales<T>::SUM_TABLE);
+  if constexpr (K == 2) cr = k2_regs<T>(cta.cb_lane, TiledScales<T>::SUM_TABLE);
   __syncthreads();
   KBIT_STAMP(1);
   const uint32_t cl = table_lane<K, true>(lane);
@@ -643,19 +664,13 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
   constexpr uint32_t FULL = BARS, EMPTY = BARS + 8 * XS;
   static_assert(BARS + 16 * XS <= LOW, "shared-memory map");
   extern __shared__ __align__(128) unsigned char smem[];
-  const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
-  unsigned char* win = smem - base;
-  uint32_t dsz;
-  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsz));
   constexpr uint32_t TEND = table_end<K, false>();
-  if (base > BARS || base + dsz < ring_end<TEND, STAGE>(XS)) __trap();
-  const int lane = threadIdx.x & 31, warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
-  const int g = lane >> 2, q = lane & 3;
-  const float cb_lane = __ldg(codebook + (lane & ((1 << K) - 1)));
-  const float sc = __ldg(scale);
-  const int64_t T_ = out / 16;
+  const TiledCta<K> cta(smem, ring_end<TEND, STAGE>(XS), codebook, scale, out);
+  unsigned char* win = cta.win;
+  const int lane = cta.lane, warp = cta.warp, g = lane >> 2, q = lane & 3;
+  const float sc = cta.sc;
+  const int64_t t0 = cta.t0, t1 = cta.t1;
   const int IPT = in / 256;
-  const int64_t t0 = T_ * blockIdx.x / gridDim.x, t1 = T_ * (blockIdx.x + 1) / gridDim.x;
   const int ntc = (int)(t1 - t0), rounds = (ntc + NW - 1) / NW;
   if (threadIdx.x == 0) {
     for (int s = 0; s < XS; ++s) {
@@ -663,7 +678,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
       mbar_init(EMPTY + 8 * s, NW);
     }
   }
-  build_pair_table<T, K, false, (NW + 1) * 32>(win, cb_lane, TiledScales<T>::A_TABLE);
+  build_pair_table<T, K, false, (NW + 1) * 32>(win, cta.cb_lane, TiledScales<T>::A_TABLE);
   __syncthreads();
   const int steps = rounds * IPT;
   if (warp == NW) {  // the producer
@@ -756,11 +771,12 @@ struct TiledByte {
 __host__ __device__ constexpr int k5_high_bit(int b, int h, int j, int s) {
   return 32 * (b >> 1) + 16 * h + 8 * (b & 1) + 2 * j + s;
 }
-// K = 3: lane byte 12 gi + 4 wi + j of a chunk (gi < 2: blocks 2 gi and 2 gi + 1; wi < 3; j < 4) holds in bits 0..5
-// the pair idx[e] | idx[e + 1] << 3 of register (h, j) of block b, (b, h) = (2 gi, 0), (2 gi, 1), (2 gi + 1, 0) for
-// wi = 0, 1, 2, and in bits 6, 7 bits 2 wi, 2 wi + 1 of the pair of register (1, j) of block 2 gi + 1 (k3_spare);
-// register (h, j) of block b is the pair at element 32 b + 8 q + 4 h + 2 (j >> 1) of row g + 8 (j & 1), as K = 4's.
-// The bits of the byte's indices that the byte itself holds: K, or K = 5's low 4
+// k3_byte, the K = 3 layout: lane byte 12 gi + 4 wi + j of a chunk (gi < 2: blocks 2 gi, 2 gi + 1; wi < 3; j < 4)
+// holds in bits 0..5 the pair idx[e] | idx[e + 1] << 3 of register (h, j) of block b, (b, h) = (2 gi, 0), (2 gi, 1),
+// (2 gi + 1, 0) for wi = 0, 1, 2, and in bits 6, 7 bits 2 wi, 2 wi + 1 of the pair of register (1, j) of block
+// 2 gi + 1 (k3_spare); register (h, j) of block b is the pair at element 32 b + 8 q + 4 h + 2 (j >> 1) of row
+// g + 8 (j & 1), as K = 4's.
+// The bits of the byte's indices that the byte itself holds (K = 2, 4, 5): K, or K = 5's low 4
 template <int K>
 constexpr int byte_bits() {
   return K == 5 ? 4 : K;
@@ -1024,12 +1040,12 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
 
 // Which kernel, by the H100 measurements of docs/kernels.md ("Tiled layout"). M <= 8: gemv_tiled_kernel, 16 warps of
 // one slot each (at steady state its K = 4 reads run at the copy bandwidth; more slots, or for K = 2 two items per
-// bulk copy, measured slower or even, also on small layers). M = 9..64: the batched kernel where the CTAs have tiles to
-// give their warps (>= 2 per SM; a layer of 1..2 tiles per SM gains only at M > 40, and for K = 5 not at all: 0.70-0.83x
-// on 4096x14336, whose batched lookups conflict 2-way): up to 2.6x the range kernel there (0.95-0.96x only on
-// 28672x8192 at M = 9). Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their
-// accumulators need the registers), and launches of 32 tokens above. kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE /
-// KBIT_TILED_BATCH to force one (tests).
+// bulk copy, measured slower or even, also on small layers). M = 9..64: the batched kernel where the CTAs have tiles
+// to give their warps (>= 2 per SM; a layer of 1..2 tiles per SM gains only at M > 40, and for K = 5 not at all:
+// 0.70-0.83x on 4096x14336, whose batched lookups conflict 2-way): up to 2.6x the range kernel there (0.86-0.96x only
+// on 28672x8192 at M = 9). Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their accumulators need
+// the registers), and launches of 32 tokens above. kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE / KBIT_TILED_BATCH to
+// force one (tests).
 template <typename T, int K>
 int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                       const T* bias, int64_t out, int64_t in, T* y, int kernel, cudaStream_t st) {
