@@ -41,8 +41,8 @@ namespace {
 // fixed shared-window addresses (the dynamic shared memory starts at or below BARS: checked in the kernel)
 constexpr uint32_t BARS = 0x1000;    // NW * S mbarriers
 constexpr uint32_t LOW = 0x1400;     // the first ring slots, below the table
-constexpr uint32_t TABLE = 0x10000;  // the pair table (K = 2, 4: 256 rows of 256 bytes, K = 4 uses 128 of each; K = 5:
-                                     // two such windows); after the main loop, the boundary partials
+constexpr uint32_t TABLE = 0x10000;  // the pair table (256 rows of 256 bytes, K = 3, 4 use 128 of each; K = 5 in the
+                                     // range kernel: two such windows); after the main loop, the boundary partials
                                      // [NW][2][NT][32 lanes][4] floats
 constexpr uint32_t ITEM_A = 128;     // block-scale bytes of an item (16 rows x 256 elements)
 // Per-K sizes of the layout: per (tile, chunk) each lane holds 8 K bytes (K = 2, 4: 2 K per block; K = 3: 12 per two
@@ -103,11 +103,11 @@ __device__ __forceinline__ uint2 lds64_at(uint32_t addr) {
 // replicas of its entry (lane l reads replica l: conflict-free). K = 4: a byte is a pair of indices (lo | hi << 4),
 // its entry (cb[lo], cb[hi]) in T (4 bytes, half the row used); K = 2: a byte is two pairs (idx[e] << 2 i, i < 4),
 // its entry both pairs' values (8 bytes, the row full). K = 3: a byte's bits 0..5 are a pair, its entry (cb[lo],
-// cb[hi]) as K = 4's. K = 5: a pair is its byte of low nibbles and its two high bits
-// h0, h1; its entry is (cb[lo | h0 << 4], cb[hi | h1 << 4]). WIDE: at TABLE + 0x10000 h1 + 256 byte + 128 h0 + 4 l,
-// 128 KB; otherwise (16 replicas) at TABLE + 256 byte + 128 h1 + 64 h0 + 4 (l % 16). Built from each lane's codebook
-// entry cb_lane = cb[lane % 2^K] by shuffles, times factor (TiledScales), by all NTHREADS threads of the CTA (whole
-// rounds: the shuffles need full warps).
+// cb[hi]) as K = 4's. K = 5: a pair is its byte of low nibbles and its two high bits h0, h1; its entry is
+// (cb[lo | h0 << 4], cb[hi | h1 << 4]). WIDE: at TABLE + 0x10000 h1 + 256 byte + 128 h0 + 4 l, 128 KB; otherwise (16
+// replicas) at TABLE + 256 byte + 128 h1 + 64 h0 + 4 (l % 16). Built from each lane's codebook entry cb_lane =
+// cb[lane % 2^K] by shuffles, times factor (TiledScales), by all NTHREADS threads of the CTA (whole rounds: the
+// shuffles need full warps).
 template <typename T, int K, bool WIDE, int NTHREADS>
 __device__ __forceinline__ void build_pair_table(unsigned char* win, float cb_lane, float factor) {
   constexpr bool K5W = K == 5 && WIDE;
@@ -152,8 +152,8 @@ __device__ __forceinline__ uint32_t table_lane(int lane) {
   return 0x0100u | (uint32_t)(K == 5 && !WIDE ? lane & 15 : lane) * Tiled<K>::ENTRY;
 }
 // this lane's weight words of the item in the ring slot at sl: 8 K bytes of each chunk. K = 3: words 3 i .. 3 i + 2
-// are blocks 2 i and 2 i + 1 of the item. K = 5: words 0..15 are the
-// low nibbles as K = 4's (8 per chunk), words 16 + 2 c, 17 + 2 c chunk c's high bits
+// are blocks 2 i and 2 i + 1 of the item. K = 5: words 0..15 are the low nibbles as K = 4's (8 per chunk), words
+// 16 + 2 c, 17 + 2 c chunk c's high bits
 template <int K>
 __device__ __forceinline__ void load_item_words(uint32_t sl, int lane, uint32_t (&w)[Tiled<K>::WORDS]) {
   if constexpr (K == 3) {  // 24 bytes per lane and chunk: words 6 c .. 6 c + 5 (8-byte aligned)

@@ -248,7 +248,7 @@ def _k3_pairs(idx: torch.Tensor) -> torch.Tensor:
 def _tiled_bytes(idx: torch.Tensor, k: int) -> torch.Tensor:
     """Indices [rows, in] (rows % 16 == 0) -> their tiled bytes [rows, in * k / 8]."""
     rows, in_features = idx.shape
-    if k == 3:  # lane bytes 12 gi + 4 wi + j: pairs of (b & 1, h) = (0, 0), (0, 1), (1, 0); bits 6, 7: the (1, 1) pair's
+    if k == 3:  # lane byte 12 gi + 4 wi + j: the pair of (b & 1, h) = (0, 0), (0, 1), (1, 0); bits 6, 7: (1, 1)'s
         p = _k3_pairs(idx)
         direct = torch.stack([p[..., 0, 0, :], p[..., 0, 1, :], p[..., 1, 0, :]], -2)  # t, c, lane, gi, wi, j
         wi = torch.arange(3, device=idx.device).view(3, 1)
