@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Compile every CUDA source in csrc/ for the target architectures (sm_80, sm_86, sm_89, sm_90) and link the
-# shared library, without a GPU. CI calls this so that a kernel that does not build never lands.
+# shared library, without a GPU, with warnings as errors and a check of the exported C ABI. Run it before landing a
+# csrc/ change: CI (.ci/run) builds the library through `pip install` (CMake, no -Werror) and fails if it is missing.
 # Usage: csrc/check_build.sh [output_dir]     (env NVCC, KBIT_CUDA_ARCHS="80 86 89 90", JOBS)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"

@@ -1,7 +1,7 @@
 // kbit_gemv.cu: fused dequantize + GEMV for the decode path (M = 1..64 activation rows, fp16/bf16, fp32 accumulate)
 // on the tensor cores (mma.sync m16n8k16, sm_80+), and the grouped (per-row expert) GEMV used by KbitMoE.
 //
-// v6 design (see docs/kernels.md, "GEMV v6", for the measurements):
+// v6 design (see docs/kernels_history.md, "GEMV v6", for the measurements):
 // - A CTA owns one tile of 16 output rows (blockIdx.y = token for the expert variant) and W = 4 or 8 warps that
 //   split the input dimension: warp w handles steps w, w + W, ..., a step being 8 consecutive 32-element blocks;
 //   the W partial tiles are summed through shared memory in a fixed order (deterministic, no atomics, no workspace).
@@ -34,7 +34,7 @@
 // - Folded tiles (M <= 4, few output rows: see launch()): a CTA owns 8 rows and a step 16 blocks; the MMA's rows
 //   8..15 carry the step's second 8 blocks of the same 8 rows, their activations sit in B columns 4..7, and the two
 //   halves are added in the epilogue. Twice the CTAs of the 16-row grid, the same decode and bytes per lane.
-// - Token tiles (M = 9..64, template NT = 2, 4 or 8 tiles of 8 tokens; docs/kernels.md "Token tiles"): the same
+// - Token tiles (M = 9..64, template NT = 2, 4 or 8 tiles of 8 tokens; docs/kernels_history.md "Token tiles"): the same
 //   decode modes (NT = 8: the table), each half row-block decoded once for NT MMAs (register decode: the activations
 //   paired by PRMT); the CTA is blockDim.y row groups x blockDim.x / 32 k-split warps, and the row groups of one split
 //   share each step's activations through two cp.async stages in shared memory.
@@ -66,7 +66,7 @@ template <int K>
 struct Cfg {
   static constexpr int NP = 1 << (2 * K);  // pair-table entries
   // replicas (lane l reads replica l % R, so lanes never conflict with lanes of another replica): K = 2, 3: 32
-  // (conflict-free); K = 4: 8 (8 KB; 32 replicas measured slower on 14336x4096 and 4096x4096, see docs/kernels.md);
+  // (conflict-free); K = 4: 8 (8 KB; 32 replicas measured slower on 14336x4096 and 4096x4096, kernels_history.md);
   // K = 5: 8 (32 KB; 2 replicas were 3-5% slower)
   static constexpr int R = K <= 3 ? 32 : 8;
   static constexpr int WORDS = NP * R;
@@ -238,7 +238,7 @@ __device__ __forceinline__ void load_words(const uint32_t* __restrict__ p, uint3
     // a 20-byte block starts 8-byte aligned or 4 bytes past that (the words are 4-byte aligned): two 8-byte loads
     // and one 4-byte load for either case, chosen per lane by the address, and the words put in order with selects.
     // Five 32-bit loads per block kept the L1 data pipe at 71% of its peak, the busiest unit of the K = 5 kernel
-    // (docs/kernels.md, "Which unit binds").
+    // (docs/kernels_history.md, "Which unit binds").
     const bool a8 = (reinterpret_cast<uintptr_t>(p) & 7) == 0;
     const uint2 a = __ldcs(reinterpret_cast<const uint2*>(p + (a8 ? 0 : 1)));
     const uint2 b = __ldcs(reinterpret_cast<const uint2*>(p + (a8 ? 2 : 3)));
@@ -507,7 +507,7 @@ __device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restric
 // b0 + 12 + q ("row g + 8") of row g. The B operand holds token t's activations of the first 8 blocks in column t
 // and of the second 8 in column 4 + t, so D[g][t] + D[g + 8][4 + t] is row g's sum. Same decode, same bytes per
 // lane, 256-byte runs per row and step instead of 128, twice the CTAs: faster only where the 16-row grid leaves SMs
-// idle (docs/kernels.md, eighth session).
+// idle (docs/kernels_history.md, eighth session).
 template <int K, typename T, int MODE, int NREG, int NT, bool FOLD = false>
 __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     const T* __restrict__ x, int M, const uint32_t* __restrict__ packed, const void* __restrict__ absmax, int fp16,
@@ -751,8 +751,9 @@ int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absm
   }();
   int dev = 0, sms = 0;
   if (!current_device_sms(dev, sms)) return (int)cudaErrorInvalidDevice;
-  // Default tile (H100, docs/kernels.md "token tiles"): 64-row CTAs for long output dimensions, 32 otherwise, and
-  // the fewest k splits that give at least 6 warps per SM: long runs of steps per warp beat more, shorter warps.
+  // Default tile (H100, docs/kernels_history.md "Token tiles"): 64-row CTAs for long output dimensions, 32
+  // otherwise, and the fewest k splits that give at least 6 warps per SM: long runs of steps per warp beat more,
+  // shorter warps.
   int RW = out >= 8192 ? 4 : 2, KW = 1;
   while (KW * 2 * NT <= 16 && RW * KW * 2 <= MAX_WARPS &&
          ((out + TILE * RW - 1) / (TILE * RW)) * RW * KW < 6 * (int64_t)sms)
@@ -793,8 +794,8 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
   if (M > 8) return M > 16 ? launch_nt<K, T, 4>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st)
                            : launch_nt<K, T, 2>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
   // M <= 4 on layers with few output rows: folded 8-row tiles (see gemv_kernel), with the default decode. They double
-  // the CTAs of a grid that leaves SMs idle: used while the 16-row grid has at most 1.5 CTAs per SM (K = 2, 3 at
-  // M = 1: 2) and in >= 2048. H100 (docs/kernels.md, eighth session): 1.05-1.32x on 512..3072 x 2048..4096; at 4096
+  // the CTAs of a grid that leaves SMs idle: used while the 16-row grid has at most 1.5 CTAs per SM (K = 2, 3 at M = 1:
+  // 2) and in >= 2048. H100 (docs/kernels_history.md, eighth session): 1.05-1.32x on 512..3072 x 2048..4096; at 4096
   // rows only K = 2, 3 at M = 1 gain (M = 4 lost up to 12%); slower for in < 2048 (too few 16-block steps per row).
   // Benchmark knob (read once): KBIT_GEMV_FOLD=0 / 1: never / whenever M <= 4 (both only with the default decode:
   // a KBIT_GEMV_CFG entry for that K turns folding off).
@@ -826,11 +827,11 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
   if (w_env) W = w_env;
   // decode (MODE): 0 = the shared-memory pair table (v2), 1 = codebook in registers (v6), 2 = hybrid (v6): the first
   // owned block of a step from registers, the second from the table; and a register cap (NREG) for modes 1 and 2.
-  // Defaults (docs/kernels.md run 10): K = 2, 3 registers, K = 4 hybrid, K = 5 table, cap 128 (= v2's
+  // Defaults (docs/kernels_history.md, GEMV v6 run 10): K = 2, 3 registers, K = 4 hybrid, K = 5 table, cap 128 (= v2's
   // __launch_bounds__(256, 2)). Benchmark knob (read once): KBIT_GEMV_CFG, a comma list of K=<t|r|h><cap>, e.g.
   // "2=r80,3=r96,4=h96" (t = table; cap 80, 96 or 128), "*=..." for every K <= 4. The caps 80 / 96 (ptxas: no or few
   // spills for K = 2, 3; 8 / 80 bytes for K = 4) pass the GPU tests but were no faster anywhere and 11-30% slower for
-  // K = 4 (docs/kernels.md, register caps), so the default cap stays 128.
+  // K = 4 (docs/kernels_history.md, register caps), so the default cap stays 128.
   auto kern = fold ? gemv_kernel<K, T, default_mode(K), 128, 1, true> : gemv_kernel<K, T, 0, 128, 1>;
   if constexpr (K <= 4) {
     constexpr int kDefault = default_mode(K) * 1000 + 128;

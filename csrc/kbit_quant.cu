@@ -130,7 +130,7 @@ __device__ __forceinline__ void load_block_words(const uint32_t* __restrict__ p,
 // Two threads per block, each storing the halves (8h.., 16+8h..) so that every store instruction writes whole sectors,
 // and a grid of up to 128 blocks per SM with one item per thread where that suffices: 89-93% of the SM copy on an
 // H100 for K = 2..5, against 80-85% with 4 threads per block, two items per thread and 32 blocks per SM
-// (docs/kernels.md, "Dequantize: two threads per block").
+// (docs/kernels_history.md, "Dequantize: two threads per block").
 template <int K, typename TO, bool DENSE>
 __global__ void __launch_bounds__(256) dequant_kernel(const uint32_t* __restrict__ packed, const void* __restrict__ absmax,
                                                       int absmax_fp16, const float* __restrict__ scale,

@@ -14,18 +14,18 @@
 // 4 c + b of row 16 t + r. Each k slice of an MMA lies inside one block of each row, so the block scale multiplies the
 // MMA's partial sums in fp32 (4 FFMA per block and lane).
 //
-// GEMV by warp ranges (gemv_tiled_kernel, M <= 8 and layers of few tiles; docs/kernels.md, "Tiled layout"): one
-// persistent CTA of NW warps per SM owns whole tiles (an even split of the tiles over the grid). Its items (2 chunks:
-// 512 K bytes of weights + 128 B of scales, contiguous in the layout) are split into NW contiguous ranges, one per
-// warp, so each warp streams one contiguous byte range through its own ring of S shared-memory slots, filled by bulk
-// asynchronous copies (cp.async.bulk, one mbarrier per slot, lane 0 issues; TMA, sm_90). The pair table
+// GEMV by warp ranges (gemv_tiled_kernel, M <= 8 and layers of few tiles; docs/kernels_history.md, ninth and tenth
+// sessions): one persistent CTA of NW warps per SM owns whole tiles (an even split of the tiles over the grid). Its
+// items (2 chunks: 512 K bytes of weights + 128 B of scales, contiguous in the layout) are split into NW contiguous
+// ranges, one per warp, so each warp streams one contiguous byte range through its own ring of S shared-memory slots,
+// filled by bulk asynchronous copies (cp.async.bulk, one mbarrier per slot, lane 0 issues; TMA, sm_90). The pair table
 // (build_pair_table: 256 rows, one per byte value, of 32 replicas) lies at the shared-window address 0x10000 + 256 *
 // byte + ENTRY * lane, so one PRMT of a weight byte with table_lane(lane) is the whole address of a conflict-free
 // lookup (K = 2: an 8-byte lookup gives two A registers; 2 of each item's 8 blocks are decoded by PRMTs from the
 // codebook in registers instead, which takes load off the shared-memory pipe that binds K = 2. K = 3: a fourth of the
-// pairs are gathered first; K = 5's table is 128 KB, the pair's high bits adding address bits: lookup_block). NT
-// tiles of 8 tokens share each looked-up A operand. Tiles inside a warp's range are stored by that warp; the first and
-// last tile of each range go through shared memory (the table's space, after the loop) and are summed in warp order:
+// pairs are gathered first; K = 5's table is 128 KB, the pair's high bits adding address bits: lookup_block). NT tiles
+// of 8 tokens share each looked-up A operand. Tiles inside a warp's range are stored by that warp; the first and last
+// tile of each range go through shared memory (the table's space, after the loop) and are summed in warp order:
 // deterministic, no atomics.
 // The batched GEMV (gemv_tiled_batch_kernel, M = 9..64 on layers of many tiles) has its own comment below.
 #include "kbit_api.h"
@@ -244,7 +244,7 @@ __device__ __forceinline__ void lookup_block(const uint32_t (&w)[Tiled<K>::WORDS
 // and one of their high bytes (hi); PRMT(lo, hi, selector nibbles i0, 4 + i0, i1, 4 + i1) is the pair
 // (cb[i0], cb[i1]). Decodes the A operands of one block (word w: byte 2 h + rh holds i0..i3 of registers a_rh (i0,
 // i1) and a_rh+2 (i2, i3) of k slice h) with integer operations only, to take lookups off the shared-memory pipe,
-// which binds the K = 2 GEMV (docs/kernels.md, eleventh session).
+// which binds the K = 2 GEMV (docs/kernels_history.md, eleventh session).
 struct K2Regs {
   uint32_t lo, hi;
 };
@@ -638,7 +638,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   KBIT_STAMP(5);
 }
 
-// Batched decode on layers of many tiles (gemv_tiled_batch_kernel; docs/kernels.md, "Tiled layout"). In
+// Batched decode on layers of many tiles (gemv_tiled_batch_kernel; docs/kernels_history.md, tenth session). In
 // gemv_tiled_kernel each warp loads each item's activations itself (NT 16-byte loads per lane and block) at its own
 // k: at M = 32..64 that is 8..16 times the weight bytes per item, from L2. Here the warps walk k in lockstep: per
 // step v, one producer warp fills a stage of the shared ring with columns 256 v .. 256 v + 255 of every token
@@ -1038,14 +1038,14 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
   return (int)cudaGetLastError();
 }
 
-// Which kernel, by the H100 measurements of docs/kernels.md ("Tiled layout"). M <= 8: gemv_tiled_kernel, 16 warps of
-// one slot each (at steady state its K = 4 reads run at the copy bandwidth; more slots, or for K = 2 two items per
-// bulk copy, measured slower or even, also on small layers). M = 9..64: the batched kernel where the CTAs have tiles
-// to give their warps (>= 2 per SM; a layer of 1..2 tiles per SM gains only at M > 40, and for K = 5 not at all:
-// 0.70-0.83x on 4096x14336, whose batched lookups conflict 2-way): up to 2.6x the range kernel there (0.86-0.96x only
-// on 28672x8192 at M = 9). Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their accumulators need
-// the registers), and launches of 32 tokens above. kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE / KBIT_TILED_BATCH to
-// force one (tests).
+// Which kernel, by the H100 measurements of docs/kernels_history.md (tenth to twelfth sessions). M <= 8:
+// gemv_tiled_kernel, 16 warps of one slot each (at steady state its K = 4 reads run at the copy bandwidth; more slots,
+// or for K = 2 two items per bulk copy, measured slower or even, also on small layers). M = 9..64: the batched kernel
+// where the CTAs have tiles to give their warps (>= 2 per SM; a layer of 1..2 tiles per SM gains only at M > 40, and
+// for K = 5 not at all: 0.70-0.83x on 4096x14336, whose batched lookups conflict 2-way): up to 2.6x the range kernel
+// there (0.86-0.96x only on 28672x8192 at M = 9). Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32
+// (their accumulators need the registers), and launches of 32 tokens above. kernel: KBIT_TILED_AUTO, or
+// KBIT_TILED_RANGE / KBIT_TILED_BATCH to force one (tests).
 template <typename T, int K>
 int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                       const T* bias, int64_t out, int64_t in, T* y, int kernel, cudaStream_t st) {

@@ -19,7 +19,7 @@ class KbitConfig(QuantizationConfigMixin):
     Args:
         k: bits per weight index, 2, 3, 4 or 5.
         codebook: "nf0" (the default: normal-float with an exact zero, bitsandbytes' NF4 construction for any k),
-            "nf" (symmetric normal-float without a zero level; measured worse at every k, see docs/perplexity.md)
+            "nf" (symmetric normal-float without a zero level; measured worse at every k >= 3, see docs/perplexity.md)
             or an explicit list of 2**k strictly increasing finite floats in [-1, 1].
         absmax_format: how each 32-weight block stores its scale: "e4m4" (1 byte, default) or "fp16" (2 bytes).
         modules_to_not_convert: extra module names to keep in full precision, as written in the model

@@ -224,7 +224,7 @@ def _check_shapes(packed, absmax, scale, k, in_features):
 # the tiled layout of large K = 2..5 Linear weights (format.tile; csrc/kbit_tiled.cu)
 
 # KbitLinear tiles a weight with at least this many elements (K = 4: a 4096 x 4096 layer measured even with v6 at
-# M <= 4 and slower at M = 16..32, 6144 x 4096 1.14-1.39x faster; docs/kernels.md, "Tiled layout")
+# M <= 4 and slower at M = 16..32, 6144 x 4096 1.14-1.39x faster; docs/kernels_history.md, ninth and tenth sessions)
 TILED_MIN_NUMEL = 4096 * 4096 + 1
 _tiled_ok: dict[int, bool] = {}
 

@@ -202,7 +202,7 @@ def empty_quantized(shape: tuple[int, ...], k: int, absmax_format: str, device=N
             torch.empty(shapes["scale"], dtype=torch.float32, device=device))
 
 
-# ---- The tiled layout: how large Linear weights (K = 2..5) sit in GPU memory (docs/kernels.md, "Tiled layout") ----
+# ---- The tiled layout: how large Linear weights (K = 2..5) sit in GPU memory (docs/kernels.md, "Layouts") ----
 # A permutation of the bits of (packed, absmax) with the same byte counts: packed becomes uint8 [out, in * K / 8]
 # (that dtype is what marks a tiled tensor), absmax keeps its shape. Checkpoints always hold the bit planes above.
 # Weights, 256 K bytes per (16-row tile t, 128-element chunk c), 8 K per lane l = 4 g + q (g < 8, q < 4).

@@ -148,7 +148,7 @@ class KbitHfQuantizer(HfQuantizer):
         if self.pre_quantized and self.quantization_config.dequantize:
             return self._dequantize(model)
         for module in model.modules():
-            # the tiled layout on sm_90 for large K = 2 / 4 layers (not for offloaded ones: accelerate keeps their
+            # the tiled layout on sm_90 for large layers (any K) (not for offloaded ones: accelerate keeps their
             # tensors elsewhere and swaps them in per forward)
             if isinstance(module, KbitLinear) and not hasattr(module, "_hf_hook"):
                 module.tile_()
