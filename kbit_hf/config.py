@@ -52,6 +52,9 @@ class KbitConfig(QuantizationConfigMixin):
         self.k = k
         self.codebook = list(codebook) if isinstance(codebook, (list, tuple)) else codebook
         self.absmax_format = absmax_format
+        if isinstance(modules_to_not_convert, str):  # list("q_proj") would be its characters
+            raise ValueError(f"modules_to_not_convert: must be a list of module names, got the string "
+                             f"{modules_to_not_convert!r} (did you mean [{modules_to_not_convert!r}]?)")
         self.modules_to_not_convert = None if modules_to_not_convert is None else list(modules_to_not_convert)
         self.quantize_lm_head = quantize_lm_head
         self.dequantize = dequantize
@@ -83,9 +86,9 @@ class KbitConfig(QuantizationConfigMixin):
             raise ValueError(f"codebook: expected 'nf' or a list of {2**self.k} floats, got {type(self.codebook)}")
         if self.absmax_format not in fmt.ABSMAX_FORMATS:
             raise ValueError(f"absmax_format: must be one of {fmt.ABSMAX_FORMATS}, got {self.absmax_format!r}")
-        if self.modules_to_not_convert is not None and not all(
+        if isinstance(self.modules_to_not_convert, str) or (self.modules_to_not_convert is not None and not all(
             isinstance(m, str) and m for m in self.modules_to_not_convert
-        ):
+        )):
             raise ValueError("modules_to_not_convert: must be a list of non-empty module names")
         if not isinstance(self.quantize_lm_head, bool):
             raise ValueError(f"quantize_lm_head: must be True or False, got {self.quantize_lm_head!r}")
@@ -113,11 +116,25 @@ class KbitConfig(QuantizationConfigMixin):
             "k": self.k,
             "codebook": self.codebook if isinstance(self.codebook, str) else list(self.codebook),
             "absmax_format": self.absmax_format,
-            "modules_to_not_convert": self.modules_to_not_convert,
+            "modules_to_not_convert": (None if self.modules_to_not_convert is None
+                                       else list(self.modules_to_not_convert)),
             "quantize_lm_head": self.quantize_lm_head,
             "dequantize": self.dequantize,
             "format_version": self.format_version,
         }
+
+    def update(self, **kwargs: Any) -> dict[str, Any]:
+        """Set the given fields (transformers' contract: returns the ones this config does not have) and validate
+        them; an invalid value raises ValueError and leaves the config as it was."""
+        before = dict(self.__dict__)
+        unused = super().update(**kwargs)
+        try:
+            self.post_init()
+        except ValueError:
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            raise
+        return unused
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, KbitConfig) and self.to_dict() == other.to_dict()

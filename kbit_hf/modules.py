@@ -49,6 +49,21 @@ def _quantize(name: str, weight_oi: torch.Tensor, codebook: torch.Tensor, k: int
     return {name: packed, name + "_absmax": absmax, name + "_scale": scale, name + "_codebook": codebook}
 
 
+def _keeping_format_dtypes(module: nn.Module, names, fn):
+    """fn for module._apply that never changes the dtype of the kbit tensors `names` (packed weights and their
+    companions have the dtypes of the format: a `model.to(torch.float16)` would otherwise round the codebook and the
+    scales, or turn fp16 block scales into bf16): their result keeps the device fn chose, in the original dtype."""
+    ids = {id(p) for n, p in module.named_parameters(recurse=False) if n in names}
+
+    def apply(t):
+        out = fn(t)
+        if id(t) in ids and out.dtype != t.dtype:
+            out = t.to(device=out.device)
+        return out
+
+    return apply
+
+
 class KbitLinear(nn.Linear):
     """A Linear layer whose weight is stored as K-bit codebook indices (see kbit_hf/format.py).
 
@@ -113,7 +128,7 @@ class KbitLinear(nn.Linear):
         # chosen there: tiled where KbitLinear holds this weight tiled, the bit planes elsewhere. Other _apply calls
         # (dtype casts, share_memory_) keep the layout, and so do moves off the meta device (to_empty: no data yet).
         before = self.weight.device
-        super()._apply(fn, recurse)
+        super()._apply(_keeping_format_dtypes(self, ("weight",) + tuple("weight" + c for c in COMPANIONS), fn), recurse)
         after = self.weight.device
         if after != before and before.type in ("cpu", "cuda") and after.type in ("cpu", "cuda"):
             from . import cuda_backend
@@ -219,6 +234,10 @@ class KbitMoE(nn.Module):
                 self.register_parameter(name, p)
         self.num_experts = int(getattr(orig, "num_experts", dict(orig.named_parameters())[self.quantized_names[0]].shape[0]))
         self._is_hf_initialized = True
+
+    def _apply(self, fn, recurse=True):  # dtype casts leave the kbit tensors in their format dtypes
+        names = tuple(n + c for n in self.quantized_names for c in ("",) + COMPANIONS)
+        return super()._apply(_keeping_format_dtypes(self, names, fn), recurse)
 
     def quantize_param(self, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         if name not in self.quantized_names:

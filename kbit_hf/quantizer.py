@@ -119,10 +119,15 @@ class KbitHfQuantizer(HfQuantizer):
             return False
         return not any(matches_module(name, pattern) for pattern in self.modules_to_not_convert)
 
-    def _process_model_before_weight_loading(self, model, device_map=None, **kwargs):
+    def _process_model_before_weight_loading(self, model, device_map=None, checkpoint_files=None, **kwargs):
         if getattr(model.config, "distributed_config", None) is not None or getattr(model, "_tp_size", None):
             raise NotImplementedError("kbit does not support tensor or expert parallelism yet; load without tp_plan")
         cfg = self.quantization_config
+        if self.pre_quantized:
+            _check_checkpoint_dtypes(checkpoint_files, cfg.absmax_format)
+        elif cfg.dequantize:
+            raise ValueError("dequantize=True turns a kbit checkpoint back into a float model when loading it; this "
+                             "checkpoint is not kbit-quantized (leave dequantize=False to quantize it)")
         self.modules_to_not_convert = self._skip_list(model)
         codebook = cfg.codebook_tensor()
         replaced = 0
@@ -159,7 +164,9 @@ class KbitHfQuantizer(HfQuantizer):
         return model
 
     def _check_loaded(self, model) -> None:
-        """Every kbit tensor must be packed and of the exact shape/dtype the format requires (5.17 does not check)."""
+        """Every kbit tensor must be packed and of the exact shape/dtype the format requires (5.17 does not check),
+        hold values the format allows (_check_values), and every float parameter of a kbit module must have been
+        loaded (transformers leaves them alone: the modules are marked initialized)."""
         k = self.quantization_config.k
         absmax_dtype = fmt.ABSMAX_DTYPES[self.quantization_config.absmax_format]
         for mod_name, module in model.named_modules():
@@ -191,6 +198,14 @@ class KbitHfQuantizer(HfQuantizer):
                             f"absmax_format={self.quantization_config.absmax_format!r}"
                         )
                     t.requires_grad_(False)
+                if not offloaded:
+                    _check_values(f"{mod_name}.{name}", got, self.quantization_config.absmax_format)
+            if not hasattr(module, "_hf_hook"):
+                kbit = {f"{n}{s}" for n, _ in items for s in ("",) + COMPANIONS}
+                for pname, p in module.named_parameters(recurse=False):
+                    if pname not in kbit and not getattr(p, "_is_hf_initialized", False):
+                        raise ValueError(f"the checkpoint is missing {mod_name}.{pname} (truncated or incomplete "
+                                         "checkpoint?)")
 
     # ---- serialization, compile, training ------------------------------------------------------------------
     def get_quantize_ops(self):
@@ -223,6 +238,46 @@ class KbitHfQuantizer(HfQuantizer):
 
         remove_model_card_hooks(model)
         return model
+
+
+def _check_checkpoint_dtypes(checkpoint_files, absmax_format: str) -> None:
+    """The stored dtypes of the kbit tensors, from the safetensors headers (no data read). transformers casts each
+    checkpoint tensor to its parameter's dtype while loading, so a packed weight stored as float32, or e4m4 scales
+    stored as fp16, would otherwise load as silently wrong values. A kbit tensor P is one with a P_absmax."""
+    from safetensors import safe_open
+
+    stored: dict[str, tuple[str, str]] = {}
+    for path in checkpoint_files or ():
+        if str(path).endswith(".safetensors"):
+            with safe_open(str(path), framework="pt") as f:
+                stored.update({key: (f.get_slice(key).get_dtype(), str(path)) for key in f.keys()})
+    absmax_dtype = {"e4m4": "U8", "fp16": "F16"}[absmax_format]
+    for key in stored:
+        if key + "_absmax" not in stored:
+            continue
+        for name, want in ((key, "U32"), (key + "_absmax", absmax_dtype), (key + "_scale", "F32"),
+                           (key + "_codebook", "F32")):
+            if name in stored and stored[name][0] != want:
+                raise ValueError(f"kbit checkpoint {stored[name][1]}: {name} is stored as {stored[name][0]}, the "
+                                 f"format needs {want} (absmax_format={absmax_format!r})")
+
+
+def _check_values(name: str, tensors: dict[str, torch.Tensor], absmax_format: str) -> None:
+    """Values a kbit checkpoint can hold (docs/format.md): per-matrix scales are positive powers of two, the codebook
+    is 2^K finite, strictly increasing values in [-1, 1], fp16 block scales are finite and >= 0 (every e4m4 byte is
+    a valid scale)."""
+    if any(t.is_meta for t in tensors.values()):
+        return
+    scale, codebook = tensors["_scale"], tensors["_codebook"]
+    if not (torch.isfinite(scale).all() and (scale > 0).all() and (torch.frexp(scale).mantissa == 0.5).all()):
+        raise ValueError(f"kbit checkpoint: {name}_scale must hold positive finite powers of two, got "
+                         f"{scale.flatten()[:8].tolist()}")
+    if not (torch.isfinite(codebook).all() and (codebook.abs() <= 1).all() and (codebook.diff() > 0).all()):
+        raise ValueError(f"kbit checkpoint: {name}_codebook must be finite, strictly increasing values in [-1, 1], "
+                         f"got {codebook.tolist()}")
+    absmax = tensors["_absmax"]
+    if absmax_format == "fp16" and not (torch.isfinite(absmax).all() and (absmax >= 0).all()):
+        raise ValueError(f"kbit checkpoint: {name}_absmax (fp16 block scales) must be finite and >= 0")
 
 
 def _drop_kbit_weight_conversions(model) -> None:

@@ -72,3 +72,25 @@ def test_register_is_idempotent():
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         KbitConfig(**kwargs)
+
+
+def test_modules_to_not_convert_must_be_a_list():
+    # list("q_proj") would be its characters, and q_proj would be quantized after all
+    with pytest.raises(ValueError, match=r"did you mean \['q_proj'\]"):
+        KbitConfig(modules_to_not_convert="q_proj")
+
+
+def test_update_validates_and_leaves_an_invalid_update_undone():
+    cfg = KbitConfig(k=4, modules_to_not_convert=["lm_head"])
+    assert cfg.update(k=3, unknown=1) == {"unknown": 1} and cfg.k == 3
+    with pytest.raises(ValueError, match="k: must be one of"):
+        cfg.update(k=7)
+    with pytest.raises(ValueError, match="dequantize"):
+        cfg.update(dequantize="yes")
+    assert cfg.k == 3 and cfg.dequantize is False and cfg.codebook_tensor().numel() == 8
+
+
+def test_to_dict_is_a_copy():
+    cfg = KbitConfig(modules_to_not_convert=["q_proj"])
+    cfg.to_dict()["modules_to_not_convert"].append("k_proj")
+    assert cfg.modules_to_not_convert == ["q_proj"]

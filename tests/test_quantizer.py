@@ -388,3 +388,115 @@ def test_loaded_experts_are_the_fused_float_experts_quantized(family, fp_folder,
                                                            getattr(m, p + "_codebook"), 4, m.absmax_format)
                 assert torch.equal(getattr(m, p).view(torch.int32), packed.view(torch.int32)), (name, p)
                 assert torch.equal(getattr(m, p + "_absmax"), absmax) and torch.equal(getattr(m, p + "_scale"), scale)
+
+
+def _rewrite(folder, tmp_path, name, edit):
+    """A copy of a saved kbit folder with its state dict changed by edit(state)."""
+    sd = load_file(os.path.join(folder, "model.safetensors"))
+    edit(sd)
+    d = tmp_path / name
+    d.mkdir()
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    (d / "config.json").write_text(open(os.path.join(folder, "config.json")).read())
+    return d
+
+
+def test_kbit_tensors_stored_in_another_dtype_are_refused(quantized, tmp_path):
+    # transformers casts each checkpoint tensor to its parameter's dtype: without the header check a float32 'packed'
+    # weight or fp16 e4m4 scales would load as silently wrong values
+    _, folder = quantized("llama")
+    key = "model.layers.0.self_attn.q_proj.weight"
+    for suffix, dtype, stored in (("", torch.float32, "F32"), ("_absmax", torch.float16, "F16"),
+                                  ("_scale", torch.bfloat16, "BF16"), ("_codebook", torch.float64, "F64")):
+        def edit(sd, s=suffix, dt=dtype):
+            sd[key + s] = sd[key + s].to(dt)
+        d = _rewrite(folder, tmp_path, f"dtype{suffix}", edit)
+        with pytest.raises(ValueError, match=rf"{key}{suffix} is stored as {stored}"):
+            AutoModelForCausalLM.from_pretrained(d)
+
+
+def test_kbit_values_outside_the_format_are_refused(quantized, tmp_path):
+    _, folder = quantized("mixtral")
+    key = "model.layers.0.self_attn.q_proj.weight"
+    cases = {
+        "scale_not_pow2": (key + "_scale", lambda t: t * 1.5, "powers of two"),
+        "scale_inf": (key + "_scale", lambda t: t * float("inf"), "powers of two"),
+        "scale_negative": (key + "_scale", lambda t: -t, "powers of two"),
+        "codebook_nan": (key + "_codebook", lambda t: t * float("nan"), "codebook must be finite"),
+        "codebook_unsorted": (key + "_codebook", lambda t: t.flip(0), "strictly increasing"),
+        "codebook_out_of_range": (key + "_codebook", lambda t: t * 2, r"\[-1, 1\]"),
+    }
+    for name, (tensor, change, message) in cases.items():
+        def edit(sd, k=tensor, f=change):
+            sd[k] = f(sd[k])
+        with pytest.raises(ValueError, match=message):
+            AutoModelForCausalLM.from_pretrained(_rewrite(folder, tmp_path, name, edit))
+    expert_scale = next(k for k in load_file(os.path.join(folder, "model.safetensors"))
+                        if k.endswith("experts.down_proj_scale"))
+
+    def edit(sd):
+        sd[expert_scale][1] = 0.3
+    with pytest.raises(ValueError, match="down_proj_scale must hold positive finite powers of two"):
+        AutoModelForCausalLM.from_pretrained(_rewrite(folder, tmp_path, "expert_scale", edit))
+
+
+def test_fp16_block_scales_must_be_finite(fp_folder, tmp_path):
+    path, _ = fp_folder("llama")
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=KbitConfig(k=4, absmax_format="fp16"))
+    model.save_pretrained(tmp_path / "fp16")
+    key = "model.layers.0.mlp.down_proj.weight_absmax"
+
+    def edit(sd):
+        sd[key][0, 0] = float("inf")
+    with pytest.raises(ValueError, match="absmax .fp16 block scales. must be finite"):
+        AutoModelForCausalLM.from_pretrained(_rewrite(str(tmp_path / "fp16"), tmp_path, "inf", edit))
+
+
+def test_a_missing_bias_of_a_kbit_layer_is_refused(tmp_path):
+    # KbitLinear is marked initialized (its packed tensors must not be 'initialized'), so a missing bias would
+    # otherwise keep whatever memory it was allocated in
+    model = tiny_model("llama", attention_bias=True)
+    model.save_pretrained(tmp_path / "fp")
+    q = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=KbitConfig(k=4))
+    assert torch.equal(q.model.layers[0].self_attn.q_proj.bias, model.model.layers[0].self_attn.q_proj.bias)
+    q.save_pretrained(tmp_path / "kbit")
+
+    def edit(sd):
+        del sd["model.layers.0.self_attn.q_proj.bias"]
+    with pytest.raises(ValueError, match="missing model.layers.0.self_attn.q_proj.bias"):
+        AutoModelForCausalLM.from_pretrained(_rewrite(str(tmp_path / "kbit"), tmp_path, "nobias", edit))
+    sd = load_file(tmp_path / "fp" / "model.safetensors")
+    del sd["model.layers.0.self_attn.k_proj.bias"]
+    (tmp_path / "fp2").mkdir()
+    save_file(sd, tmp_path / "fp2" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "fp2" / "config.json").write_text((tmp_path / "fp" / "config.json").read_text())
+    with pytest.raises(ValueError, match="missing model.layers.0.self_attn.k_proj.bias"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "fp2", quantization_config=KbitConfig(k=4))
+
+
+def test_dequantize_flag_on_a_float_checkpoint_is_refused(fp_folder):
+    # it would quantize anyway and save dequantize=True, turning every later load of that folder into a float model
+    path, _ = fp_folder("llama")
+    with pytest.raises(ValueError, match="dequantize=True .* not kbit-quantized"):
+        AutoModelForCausalLM.from_pretrained(path, quantization_config=KbitConfig(k=4, dequantize=True))
+
+
+def test_dtype_casts_keep_the_format_dtypes(fp_folder, tmp_path):
+    path, _ = fp_folder("mixtral")
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=KbitConfig(k=4, absmax_format="fp16"))
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    model.to(torch.float16)
+    after = model.state_dict()
+    kbit = [n for n in before if n.endswith(("_absmax", "_scale", "_codebook")) or n + "_absmax" in before]
+    assert any("experts" in n for n in kbit) and any("q_proj" in n for n in kbit)
+    for n in kbit:  # the packed tensors and their companions: same dtype, same values
+        assert after[n].dtype == before[n].dtype and torch.equal(after[n], before[n]), n
+    assert model.model.layers[0].self_attn.q_proj.bias is None  # (llama-style attention: no bias)
+    assert model.model.norm.weight.dtype == torch.float16  # the float parameters do follow the cast
+    with torch.no_grad():
+        out = model(_ids()).logits
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    model.save_pretrained(tmp_path / "after_cast")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "after_cast")
+    cb = again.model.layers[0].self_attn.q_proj.weight_codebook
+    assert cb.dtype == torch.float32 and torch.equal(cb, before["model.layers.0.self_attn.q_proj.weight_codebook"])
