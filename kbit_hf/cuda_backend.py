@@ -195,6 +195,19 @@ def _cb(codebook: torch.Tensor, device: torch.device, k: int) -> torch.Tensor:
     return codebook
 
 
+def _need(what: str, *tensors) -> None:
+    """The entry points below pass raw device pointers to the library: it must be loaded, and the tensors must live
+    on one CUDA device (None entries are skipped)."""
+    if _lib is None:
+        raise RuntimeError(f"kbit_hf.cuda_backend.{what}: the compiled CUDA library is not loaded ({_load_error}); "
+                           "the torch.ops.kbit ops fall back to the reference, or reinstall with a CUDA toolkit")
+    dev = tensors[0].device
+    for t in tensors:
+        if t is not None and (t.device.type != "cuda" or t.device != dev):
+            raise ValueError(f"kbit_hf.cuda_backend.{what}: every tensor must be on one CUDA device; got {t.device} "
+                             f"and {dev}")
+
+
 def _check_k(k: int) -> None:
     if k not in fmt.SUPPORTED_K:
         raise ValueError(f"k={k} is not supported (expected one of {fmt.SUPPORTED_K})")
@@ -283,6 +296,7 @@ def _relayout(kernel, reference_fn, w, a, in_features, k, to_tiled):
 
 def quantize_out(weight, codebook, k, absmax_format, packed, absmax, scale):
     """Quantize `weight` [..., out, in] (fp32/fp16/bf16, CUDA) into preallocated packed / absmax / scale."""
+    _need("quantize", weight, packed, absmax, scale)
     _check_k(k)
     if weight.dtype not in _DTYPE_CODE:
         weight = weight.float()
@@ -309,6 +323,7 @@ def quantize(weight, codebook, k, absmax_format):
 
 def dequantize_out(packed, absmax, scale, codebook, k, in_features, out):
     """Dequantize into `out` [..., out_features, in_features] (fp32/fp16/bf16, contiguous)."""
+    _need("dequantize", packed, absmax, scale, out)
     _check_k(k)
     *lead, rows, _ = packed.shape
     E = math.prod(lead)
@@ -340,6 +355,7 @@ def dequantize(packed, absmax, scale, codebook, k, in_features, dtype=torch.floa
 def linear_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
     """Fused dequant-GEMV into `out` [M, out_features]: x [M, in] contiguous fp16/bf16, 1 <= M <= 64, bias None or
     x's dtype. No allocation, no synchronisation (CUDA-graph safe). A tiled weight needs an sm_90 device."""
+    _need("linear_out", x, packed, absmax, scale, bias, out)
     dev = x.device
     if fmt.is_tiled(packed):
         if not tiled_supported(dev):
@@ -379,7 +395,9 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
     out_f = packed.shape[-2]
     # Lean eager fast path (this is the per-token decode call: keep the Python work to a minimum).
     if (
-        x.dtype in _GEMV_DTYPES
+        _lib is not None
+        and x.is_cuda
+        and x.dtype in _GEMV_DTYPES
         and packed.dim() == 2
         and in_features > 0
         and x.shape[-1] == in_features
@@ -411,6 +429,7 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
             if rc:
                 _check(rc, "gemv")
             return y
+    _need("linear", x, packed, absmax, scale, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     # Any other M (prefill) or dtype: dequantize on the GPU, then cuBLAS with fp32 accumulation. fp16/bf16
@@ -425,6 +444,7 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
 
 def expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features):
     """Row r = x[r] @ W[expert_ids[r]]^T; ids outside [0, E) give zero rows."""
+    _need("expert_linear", x, packed, absmax, scale)
     N = x.shape[0]
     E, out_f = packed.shape[0], packed.shape[1]
     _check_k(k)
