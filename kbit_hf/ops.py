@@ -106,6 +106,35 @@ def _(x, expert_ids, packed, absmax, scale, codebook, k, in_features):
     return x.new_empty((x.shape[0], packed.shape[-2]))
 
 
+def _expert_linear_setup_context(ctx, inputs, output):
+    x, expert_ids, packed, absmax, scale, codebook, k, in_features = inputs
+    ctx.save_for_backward(expert_ids, packed, absmax, scale, codebook)
+    ctx.k, ctx.in_features, ctx.x_dtype = k, in_features, x.dtype
+
+
+def _expert_linear_backward(ctx, grad):
+    # Gradient w.r.t. the input only (adapters on a frozen MoE): row r is grad[r] @ W[expert_ids[r]]; rows of ids
+    # outside [0, E) had zero outputs and get zero gradients. One expert's weight is dequantized at a time. Eager: only
+    # the experts present (one host sync); traced (torch.compile): every expert, masked, so shapes stay static.
+    expert_ids, packed, absmax, scale, codebook = ctx.saved_tensors
+    grad_x = grad.new_zeros((grad.shape[0], ctx.in_features))
+    E = packed.shape[0]
+    if torch.compiler.is_compiling():
+        for e in range(E):
+            w = dequantize(packed[e], absmax[e], scale[e], codebook, ctx.k, ctx.in_features, grad.dtype)
+            grad_x = grad_x + (grad * (expert_ids == e).unsqueeze(-1).to(grad.dtype)) @ w
+    else:
+        valid = (expert_ids >= 0) & (expert_ids < E)
+        for e in torch.unique(expert_ids[valid]).tolist():
+            rows = (expert_ids == e).nonzero().squeeze(-1)
+            w = dequantize(packed[e], absmax[e], scale[e], codebook, ctx.k, ctx.in_features, grad.dtype)
+            grad_x[rows] = grad[rows] @ w
+    return grad_x.to(ctx.x_dtype), None, None, None, None, None, None, None
+
+
+expert_linear.register_autograd(_expert_linear_backward, setup_context=_expert_linear_setup_context)
+
+
 # What the modules call. Backends may add an eager fast path here (e.g. a direct ctypes launch that skips the
 # custom-op dispatcher's Python overhead); under torch.compile the custom ops above are what gets traced.
 # kbit_hf/cuda_backend.py sets these two when its compiled library is loaded.
