@@ -31,14 +31,27 @@ def _blocked(w: torch.Tensor) -> torch.Tensor:
     return w.view(rows, -1, fmt.BLOCK)
 
 
+def _check_k_codebook(k: int, codebook: torch.Tensor) -> None:
+    if k not in fmt.SUPPORTED_K:
+        raise ValueError(f"k={k!r} is not supported (expected one of {fmt.SUPPORTED_K})")
+    if codebook.numel() != 2**k:
+        raise ValueError(f"codebook has {codebook.numel()} entries; k={k} needs {2**k}")
+
+
 def quantize(
     weight: torch.Tensor, codebook: torch.Tensor, k: int, absmax_format: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [..., out, in] (any float dtype) -> (packed uint32, absmax uint8|fp16, scale float32 [...])."""
-    if weight.dim() < 2:
-        raise ValueError(f"kbit quantizes matrices [..., out, in]; got a tensor of shape {tuple(weight.shape)}")
+    if weight.dim() < 2 or 0 in weight.shape:
+        raise ValueError(f"kbit quantizes matrices [..., out, in] with at least one element; got a tensor of shape "
+                         f"{tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise ValueError(f"kbit quantizes floating-point weights; got {weight.dtype}")
+    _check_k_codebook(k, codebook)
     fmt.check_absmax_format(absmax_format)
     fmt.check_finite(weight)
+    if weight.dtype == torch.float64 and bool(weight.abs().amax() > torch.finfo(torch.float32).max):
+        raise ValueError("weight has values beyond float32's range (|w| > 3.4e38); kbit computes in float32")
     *lead, out, inp = weight.shape
     shapes = fmt.packed_shapes(tuple(weight.shape), k)
     w3 = weight.reshape(-1, out, inp)
@@ -73,7 +86,8 @@ def dequantize(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Inverse of `quantize` up to rounding: -> [..., out, in_features] in `dtype`. Also takes the tiled layout
-    (format.tile: uint8 packed, K = 2 or 4)."""
+    (format.tile: uint8 packed)."""
+    _check_k_codebook(k, codebook)
     if fmt.is_tiled(packed):
         packed, absmax = fmt.untile(packed, absmax, in_features, k)
     *lead, out, words = packed.shape

@@ -208,3 +208,25 @@ def test_nf0_codebook():
         assert cb.numel() == 2**k and torch.all(cb[1:] > cb[:-1]) and 0.0 in cb.tolist()
         assert cb[0].item() == -1.0 and cb[-1].item() == 1.0
     assert torch.equal(fmt.make_codebook(3, "nf0"), fmt.nf0_codebook(3))
+
+
+def test_reference_refuses_what_it_cannot_quantize_or_decode():
+    cb = fmt.nf0_codebook(4)
+    w = torch.randn(4, 40)
+    with pytest.raises(ValueError, match="k=6 is not supported"):
+        ref.quantize(w, fmt.nf_codebook(6), 6, "e4m4")
+    with pytest.raises(ValueError, match="codebook has 8 entries; k=4 needs 16"):
+        ref.quantize(w, cb[:8], 4, "e4m4")
+    p, a, s = ref.quantize(w, cb, 4, "e4m4")
+    with pytest.raises(ValueError, match="codebook has 8 entries; k=4 needs 16"):
+        ref.dequantize(p, a, s, cb[:8], 4, 40)
+    with pytest.raises(ValueError, match="floating-point weights; got torch.int32"):
+        ref.quantize(torch.ones(4, 32, dtype=torch.int32), cb, 4, "e4m4")
+    with pytest.raises(ValueError, match="at least one element"):
+        ref.quantize(torch.randn(0, 32), cb, 4, "e4m4")
+    with pytest.raises(ValueError, match="beyond float32's range"):
+        ref.quantize(torch.randn(4, 64, dtype=torch.float64) * 1e300, cb, 4, "e4m4")
+    # float64 inside float32's range quantizes as its float32 values do
+    w64 = torch.randn(4, 64, dtype=torch.float64)
+    assert all(torch.equal(u, v) for u, v in zip(ref.quantize(w64, cb, 4, "e4m4"),
+                                                   ref.quantize(w64.float(), cb, 4, "e4m4")))
