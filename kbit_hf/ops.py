@@ -115,11 +115,12 @@ def _expert_linear_setup_context(ctx, inputs, output):
 def _expert_linear_backward(ctx, grad):
     # Gradient w.r.t. the input only (adapters on a frozen MoE): row r is grad[r] @ W[expert_ids[r]]; rows of ids
     # outside [0, E) had zero outputs and get zero gradients. One expert's weight is dequantized at a time. Eager: only
-    # the experts present (one host sync); traced (torch.compile): every expert, masked, so shapes stay static.
+    # the experts present (one host sync); traced (torch.compile, AOT autograd: the tensors are fakes or functional
+    # wrappers, not plain tensors): every expert, masked, so shapes stay static.
     expert_ids, packed, absmax, scale, codebook = ctx.saved_tensors
     grad_x = grad.new_zeros((grad.shape[0], ctx.in_features))
     E = packed.shape[0]
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or type(grad) is not torch.Tensor:
         for e in range(E):
             w = dequantize(packed[e], absmax[e], scale[e], codebook, ctx.k, ctx.in_features, grad.dtype)
             grad_x = grad_x + (grad * (expert_ids == e).unsqueeze(-1).to(grad.dtype)) @ w

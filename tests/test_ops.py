@@ -135,3 +135,23 @@ def test_expert_linear_gradient_under_torch_compile():
     torch._dynamo.reset()
     torch.compile(loss, backend="aot_eager", fullgraph=True)(x).backward()
     torch.testing.assert_close(x.grad, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("absmax_format", ["e4m4", "fp16"])
+def test_custom_ops_pass_torch_opcheck(absmax_format):
+    # schema, fake (meta) implementations, autograd registration and dispatcher consistency of every op
+    cb = fmt.nf0_codebook(4)
+    w = torch.randn(8, 40)
+    p, a, s = reference.quantize(w, cb, 4, absmax_format)
+    w3 = torch.randn(3, 8, 40)
+    p3, a3, s3 = reference.quantize(w3, cb, 4, absmax_format)
+    x = torch.randn(3, 40, requires_grad=True)
+    cases = [
+        (torch.ops.kbit.quantize.default, (w, cb, 4, absmax_format)),
+        (torch.ops.kbit.dequantize.default, (p, a, s, cb, 4, 40, torch.bfloat16)),
+        (torch.ops.kbit.linear.default, (x, p, a, s, cb, 4, 40, torch.randn(8, requires_grad=True))),
+        (torch.ops.kbit.linear.default, (x.detach().bfloat16(), p, a, s, cb, 4, 40, None)),
+        (torch.ops.kbit.expert_linear.default, (x, torch.tensor([0, 2, 5]), p3, a3, s3, cb, 4, 40)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
