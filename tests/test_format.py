@@ -76,6 +76,11 @@ def test_bitplane_layout_is_ballot_order():
     idx[0, 0, 31] = 0b010  # element 31: bit 1
     words = fmt.pack_bitplanes(idx, 3).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     assert words.tolist() == [[1, 1 << 31, 1]]
+    idx5 = torch.zeros(1, 1, 32, dtype=torch.int64)
+    idx5[0, 0, 0] = 0b00100  # element 0: bit 2
+    idx5[0, 0, 31] = 0b01000  # element 31: bit 3
+    words = fmt.pack_bitplanes(idx5, 5).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    assert words.tolist() == [[0, 0, 1, 1 << 31, 0]]
 
 
 @pytest.mark.parametrize("k", fmt.SUPPORTED_K)
@@ -96,6 +101,14 @@ def test_quantize_matches_definition(k, absmax_format, shape):
         blk_max = torch.nn.functional.pad(w3[e].abs(), (0, nb * 32 - inp)).view(out, nb, 32).amax(-1)
         assert 8 < blk_max.max().item() / s <= 16 and float(torch.log2(s1[e])).is_integer()
         a = fmt.decode_absmax(absmax.reshape(-1, out, nb)[e])
+        # the block scale is the representable value nearest to blk_max / s (e4m4: any of the 256 codes; fp16: IEEE
+        # round to nearest)
+        target = blk_max / s
+        if absmax_format == "e4m4":
+            nearest_code = (fmt.e4m4_table()[None, None, :] - target[..., None]).abs().min(-1).values
+            assert torch.equal((a - target).abs(), nearest_code)
+        else:
+            assert torch.equal(a, target.half().float())
         for r in range(out):
             for j in range(inp):
                 b = j // 32
@@ -133,6 +146,10 @@ def test_tiny_blocks_next_to_large_ones_keep_their_sign():
     cb = fmt.nf_codebook(4)
     packed, absmax, scale = ref.quantize(w, cb, 4, "e4m4")
     assert absmax[1, 1].item() == 1
+    w = torch.randn(2, 64)
+    w[1, 32:] *= 2.0**-40  # fp16 scales: rounds to 0 in fp16, stored as the smallest subnormal 2^-24
+    packed, absmax, scale = ref.quantize(w, cb, 4, "fp16")
+    assert absmax.dtype == torch.float16 and absmax[1, 1].item() == 2.0**-24
     deq = ref.dequantize(packed, absmax, scale, cb, 4, 64)
     assert torch.all(torch.sign(deq[1, 32:]) == torch.sign(w[1, 32:]))
 
@@ -192,6 +209,7 @@ def test_worked_example_in_docs():
     assert scale.item() == 0.0625 and absmax.item() == 0xF0
     idx = fmt.unpack_bitplanes(packed, 2)[0, 0]
     assert idx[0].item() == 0 and idx[20].item() == 2
+    assert idx[16].item() == 1  # y = 0 is exactly the midpoint of -0.27703 and 0.27703: a tie goes to the lower index
     words = packed.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     assert (words[0, 1].item() >> 20) & 1 == 1 and (words[0, 0].item() >> 20) & 1 == 0
 

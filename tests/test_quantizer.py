@@ -500,3 +500,22 @@ def test_dtype_casts_keep_the_format_dtypes(fp_folder, tmp_path):
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "after_cast")
     cb = again.model.layers[0].self_attn.q_proj.weight_codebook
     assert cb.dtype == torch.float32 and torch.equal(cb, before["model.layers.0.self_attn.q_proj.weight_codebook"])
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_moe_sentinel_expert_ids_contribute_nothing(family, quantized):
+    # ids outside [0, E) (expert-parallel sentinels) add nothing: not their expert's output, not its bias (gpt-oss)
+    model, _ = quantized(family)
+    moe = next(m for m in model.modules() if isinstance(m, KbitMoE))
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, model.config.hidden_size, generator=g).to(model.dtype)
+    idx = torch.randint(0, moe.num_experts, (5, 2), generator=g)
+    w = torch.rand(5, 2, generator=g)
+    w_without = w.clone()
+    w_without[:, 1] = 0
+    with torch.no_grad():
+        want = moe(h, idx, w_without)
+        for sentinel in (moe.num_experts, -1):
+            sent = idx.clone()
+            sent[:, 1] = sentinel
+            torch.testing.assert_close(moe(h, sent, w), want)

@@ -155,6 +155,8 @@ def test_kbit_linear_tiled_forward_and_state_dict(k):
     layer = _layer(k=k)
     x = torch.randn(5, 256, dtype=torch.bfloat16)
     y0 = layer(x)
+    want = x.float() @ layer.dequantized_weight(torch.float32).T + layer.bias.float()
+    torch.testing.assert_close(y0.float(), want, rtol=2**-7, atol=1e-2)  # one bf16 rounding of an fp32 result
     sd0 = {k: v.clone() for k, v in layer.state_dict().items()}
     assert not layer.tileable()  # on the CPU the layer keeps the bit planes unless forced
     assert layer.tile_(force=True) and layer.is_tiled and layer.weight.dtype == torch.uint8 and layer.is_packed
