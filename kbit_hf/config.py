@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -65,6 +66,8 @@ class KbitConfig(QuantizationConfigMixin):
         """Validate every field; raise ValueError naming the field."""
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k not in fmt.SUPPORTED_K:
             raise ValueError(f"k: must be one of {fmt.SUPPORTED_K}, got {self.k!r}")
+        if isinstance(self.codebook, tuple):
+            self.codebook = list(self.codebook)
         if isinstance(self.codebook, str):
             if self.codebook not in fmt.NAMED_CODEBOOKS:
                 raise ValueError(f"codebook: unknown codebook name {self.codebook!r} (expected one of "
@@ -79,8 +82,10 @@ class KbitConfig(QuantizationConfigMixin):
                 raise ValueError("codebook: values must be finite (no NaN or Inf)")
             if any(abs(v) > 1 for v in values):
                 raise ValueError("codebook: values must lie in [-1, 1] (they are multiplied by each block's absmax)")
-            if any(b <= a for a, b in zip(values, values[1:])):
-                raise ValueError("codebook: values must be strictly increasing")
+            # the codebook is stored and used in float32: its values must stay distinct there
+            as_f32 = struct.unpack(f"{len(values)}f", struct.pack(f"{len(values)}f", *values))
+            if any(b <= a for a, b in zip(as_f32, as_f32[1:])):
+                raise ValueError("codebook: values must be strictly increasing (also once rounded to float32)")
             self.codebook = [float(v) for v in values]
         else:
             raise ValueError(f"codebook: expected 'nf' or a list of {2**self.k} floats, got {type(self.codebook)}")

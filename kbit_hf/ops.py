@@ -10,6 +10,7 @@ Signatures (weights [..., out, in], see kbit_hf/format.py):
   dequantize(packed, absmax, scale, codebook, k, in_features, dtype) -> weight
   linear(x, packed, absmax, scale, codebook, k, in_features, bias?) -> x @ W^T + bias
   expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features) -> per-row expert matmul
+  expert_linear_grad_input(grad, expert_ids, packed, absmax, scale, codebook, k, in_features) -> its input gradient
 """
 
 from __future__ import annotations
@@ -106,6 +107,40 @@ def _(x, expert_ids, packed, absmax, scale, codebook, k, in_features):
     return x.new_empty((x.shape[0], packed.shape[-2]))
 
 
+@torch.library.custom_op("kbit::expert_linear_grad_input", mutates_args=())
+def expert_linear_grad_input(
+    grad: torch.Tensor,
+    expert_ids: torch.Tensor,
+    packed: torch.Tensor,
+    absmax: torch.Tensor,
+    scale: torch.Tensor,
+    codebook: torch.Tensor,
+    k: int,
+    in_features: int,
+) -> torch.Tensor:
+    """expert_linear's gradient w.r.t. its input: row r is grad[r] @ W[expert_ids[r]]; rows of ids outside [0, E)
+    (zero outputs) get zero rows. One expert's weight is dequantized at a time, only for the experts present (one
+    host sync), or for every expert, masked, while a CUDA graph is being captured (no sync allowed). An op of its own,
+    so that torch.compile records one node instead of unrolling a loop over every expert."""
+    grad_x = grad.new_zeros((grad.shape[0], in_features))
+    E = packed.shape[0]
+    if grad.is_cuda and torch.cuda.is_current_stream_capturing():
+        for e in range(E):
+            w = dequantize(packed[e], absmax[e], scale[e], codebook, k, in_features, grad.dtype)
+            grad_x = grad_x + (grad * (expert_ids == e).unsqueeze(-1).to(grad.dtype)) @ w
+        return grad_x
+    for e in torch.unique(expert_ids[(expert_ids >= 0) & (expert_ids < E)]).tolist():
+        rows = (expert_ids == e).nonzero().squeeze(-1)
+        w = dequantize(packed[e], absmax[e], scale[e], codebook, k, in_features, grad.dtype)
+        grad_x[rows] = grad[rows] @ w
+    return grad_x
+
+
+@expert_linear_grad_input.register_fake
+def _(grad, expert_ids, packed, absmax, scale, codebook, k, in_features):
+    return grad.new_empty((grad.shape[0], in_features))
+
+
 def _expert_linear_setup_context(ctx, inputs, output):
     x, expert_ids, packed, absmax, scale, codebook, k, in_features = inputs
     ctx.save_for_backward(expert_ids, packed, absmax, scale, codebook)
@@ -113,23 +148,9 @@ def _expert_linear_setup_context(ctx, inputs, output):
 
 
 def _expert_linear_backward(ctx, grad):
-    # Gradient w.r.t. the input only (adapters on a frozen MoE): row r is grad[r] @ W[expert_ids[r]]; rows of ids
-    # outside [0, E) had zero outputs and get zero gradients. One expert's weight is dequantized at a time. Eager: only
-    # the experts present (one host sync); traced (torch.compile, AOT autograd: the tensors are fakes or functional
-    # wrappers, not plain tensors): every expert, masked, so shapes stay static.
+    # Gradient w.r.t. the input only (adapters on a frozen MoE); packed weights are frozen.
     expert_ids, packed, absmax, scale, codebook = ctx.saved_tensors
-    grad_x = grad.new_zeros((grad.shape[0], ctx.in_features))
-    E = packed.shape[0]
-    if torch.compiler.is_compiling() or type(grad) is not torch.Tensor:
-        for e in range(E):
-            w = dequantize(packed[e], absmax[e], scale[e], codebook, ctx.k, ctx.in_features, grad.dtype)
-            grad_x = grad_x + (grad * (expert_ids == e).unsqueeze(-1).to(grad.dtype)) @ w
-    else:
-        valid = (expert_ids >= 0) & (expert_ids < E)
-        for e in torch.unique(expert_ids[valid]).tolist():
-            rows = (expert_ids == e).nonzero().squeeze(-1)
-            w = dequantize(packed[e], absmax[e], scale[e], codebook, ctx.k, ctx.in_features, grad.dtype)
-            grad_x[rows] = grad[rows] @ w
+    grad_x = expert_linear_grad_input(grad, expert_ids, packed, absmax, scale, codebook, ctx.k, ctx.in_features)
     return grad_x.to(ctx.x_dtype), None, None, None, None, None, None, None
 
 

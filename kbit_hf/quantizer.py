@@ -184,10 +184,10 @@ class KbitHfQuantizer(HfQuantizer):
                 got = {s: getattr(module, name + s) for s in ("",) + COMPANIONS}
                 want = {"": (expected["packed"], torch.uint32), "_absmax": (expected["absmax"], absmax_dtype),
                         "_scale": (expected["scale"], torch.float32), "_codebook": (expected["codebook"], torch.float32)}
-                offloaded = hasattr(module, "_hf_hook")  # accelerate keeps disk/cpu-offloaded tensors elsewhere
                 for suffix, (shape, dtype) in want.items():
                     t = got[suffix]
-                    if not offloaded and not getattr(t, "_is_hf_initialized", False):
+                    # an offloaded tensor (accelerate keeps it on disk / in CPU RAM) is a meta placeholder here
+                    if not t.is_meta and not getattr(t, "_is_hf_initialized", False):
                         # transformers "initializes" missing params with empty memory: never compute with that
                         raise ValueError(f"kbit checkpoint is missing {mod_name}.{name}{suffix} (truncated or "
                                          "incomplete checkpoint?)")
@@ -198,14 +198,12 @@ class KbitHfQuantizer(HfQuantizer):
                             f"absmax_format={self.quantization_config.absmax_format!r}"
                         )
                     t.requires_grad_(False)
-                if not offloaded:
-                    _check_values(f"{mod_name}.{name}", got, self.quantization_config.absmax_format)
-            if not hasattr(module, "_hf_hook"):
-                kbit = {f"{n}{s}" for n, _ in items for s in ("",) + COMPANIONS}
-                for pname, p in module.named_parameters(recurse=False):
-                    if pname not in kbit and not getattr(p, "_is_hf_initialized", False):
-                        raise ValueError(f"the checkpoint is missing {mod_name}.{pname} (truncated or incomplete "
-                                         "checkpoint?)")
+                _check_values(f"{mod_name}.{name}", got, self.quantization_config.absmax_format)
+            kbit = {f"{n}{s}" for n, _ in items for s in ("",) + COMPANIONS}
+            for pname, p in module.named_parameters(recurse=False):
+                if pname not in kbit and not p.is_meta and not getattr(p, "_is_hf_initialized", False):
+                    raise ValueError(f"the checkpoint is missing {mod_name}.{pname} (truncated or incomplete "
+                                     "checkpoint?)")
 
     # ---- serialization, compile, training ------------------------------------------------------------------
     def get_quantize_ops(self):

@@ -57,6 +57,7 @@ def test_register_is_idempotent():
         (dict(k=2, codebook=[-1, 0, 1]), "codebook"),
         (dict(k=2, codebook=[-1, 0.5, 0.2, 1]), "codebook"),
         (dict(k=2, codebook=[-1, -0.2, -0.2, 1]), "codebook"),
+        (dict(k=2, codebook=[-1, 0.5, 0.5 + 1e-12, 1]), "codebook"),  # distinct in float64, equal in float32
         (dict(k=2, codebook=[-1, float("nan"), 0.2, 1]), "codebook"),
         (dict(k=2, codebook=[-1, -0.2, 0.2, float("inf")]), "codebook"),
         (dict(k=2, codebook=[-2, -0.2, 0.2, 1]), "codebook"),
@@ -83,6 +84,9 @@ def test_modules_to_not_convert_must_be_a_list():
 def test_update_validates_and_leaves_an_invalid_update_undone():
     cfg = KbitConfig(k=4, modules_to_not_convert=["lm_head"])
     assert cfg.update(k=3, unknown=1) == {"unknown": 1} and cfg.k == 3
+    cfg.update(k=2, codebook=(-1.0, -0.25, 0.25, 1.0))  # a tuple, as the constructor takes it
+    assert cfg.codebook == [-1.0, -0.25, 0.25, 1.0]
+    cfg.update(k=3, codebook="nf0")
     with pytest.raises(ValueError, match="k: must be one of"):
         cfg.update(k=7)
     with pytest.raises(ValueError, match="dequantize"):

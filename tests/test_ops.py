@@ -118,7 +118,7 @@ def test_moe_model_backward_reaches_the_embeddings(tmp_path):
 
 
 def test_expert_linear_gradient_under_torch_compile():
-    # traced, the backward takes the static-shape branch (every expert, masked): same gradient as eager
+    # traced, the backward is one opaque op (kbit::expert_linear_grad_input), not a loop unrolled over the experts
     E, out, inp = 3, 20, 45
     _, (p, a, s) = _packed((E, out, inp))
     cb = fmt.nf_codebook(4)
@@ -133,8 +133,20 @@ def test_expert_linear_gradient_under_torch_compile():
     eager = x.grad.clone()
     x.grad = None
     torch._dynamo.reset()
-    torch.compile(loss, backend="aot_eager", fullgraph=True)(x).backward()
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    backward_ops = []
+
+    def bw_compiler(gm, example_inputs):
+        backward_ops.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=lambda gm, example_inputs: make_boxed_func(gm.forward), bw_compiler=bw_compiler)
+    torch.compile(loss, backend=backend, fullgraph=True)(x).backward()
     torch.testing.assert_close(x.grad, eager, rtol=1e-5, atol=1e-5)
+    assert backward_ops.count(torch.ops.kbit.expert_linear_grad_input.default) == 1
+    assert torch.ops.kbit.dequantize.default not in backward_ops
 
 
 @pytest.mark.parametrize("absmax_format", ["e4m4", "fp16"])
@@ -152,6 +164,8 @@ def test_custom_ops_pass_torch_opcheck(absmax_format):
         (torch.ops.kbit.linear.default, (x, p, a, s, cb, 4, 40, torch.randn(8, requires_grad=True))),
         (torch.ops.kbit.linear.default, (x.detach().bfloat16(), p, a, s, cb, 4, 40, None)),
         (torch.ops.kbit.expert_linear.default, (x, torch.tensor([0, 2, 5]), p3, a3, s3, cb, 4, 40)),
+        (torch.ops.kbit.expert_linear_grad_input.default, (torch.randn(3, 8), torch.tensor([0, 2, 5]), p3, a3, s3, cb,
+                                                           4, 40)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)

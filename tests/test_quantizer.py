@@ -471,8 +471,14 @@ def test_a_missing_bias_of_a_kbit_layer_is_refused(tmp_path):
 
     def edit(sd):
         del sd["model.layers.0.self_attn.q_proj.bias"]
+    nobias = _rewrite(str(tmp_path / "kbit"), tmp_path, "nobias", edit)
     with pytest.raises(ValueError, match="missing model.layers.0.self_attn.q_proj.bias"):
-        AutoModelForCausalLM.from_pretrained(_rewrite(str(tmp_path / "kbit"), tmp_path, "nobias", edit))
+        AutoModelForCausalLM.from_pretrained(nobias)
+    # the same with layer 1 offloaded to disk (accelerate then hooks every module, offloaded or not)
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
+                  "lm_head": "cpu", "model.rotary_emb": "cpu"}
+    with pytest.raises(ValueError, match="missing model.layers.0.self_attn.q_proj.bias"):
+        AutoModelForCausalLM.from_pretrained(nobias, device_map=device_map, offload_folder=tmp_path / "off")
     sd = load_file(tmp_path / "fp" / "model.safetensors")
     del sd["model.layers.0.self_attn.k_proj.bias"]
     (tmp_path / "fp2").mkdir()
