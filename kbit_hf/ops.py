@@ -129,8 +129,7 @@ def expert_linear_grad_input(
             w = dequantize(packed[e], absmax[e], scale[e], codebook, k, in_features, grad.dtype)
             grad_x = grad_x + (grad * (expert_ids == e).unsqueeze(-1).to(grad.dtype)) @ w
         return grad_x
-    for e in torch.unique(expert_ids[(expert_ids >= 0) & (expert_ids < E)]).tolist():
-        rows = (expert_ids == e).nonzero().squeeze(-1)
+    for e, rows in reference.rows_by_expert(expert_ids, E):
         w = dequantize(packed[e], absmax[e], scale[e], codebook, k, in_features, grad.dtype)
         grad_x[rows] = grad[rows] @ w
     return grad_x

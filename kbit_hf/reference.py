@@ -138,10 +138,15 @@ def expert_linear(
     in_features: int,
 ) -> torch.Tensor:
     """Row r of the result is x[r] @ W[expert_ids[r]]^T; rows whose id is outside [0, E) (EP sentinels) are zero."""
-    num_experts, out = packed.shape[0], packed.shape[1]
-    y = torch.zeros((x.shape[0], out), dtype=x.dtype, device=x.device)
-    valid = (expert_ids >= 0) & (expert_ids < num_experts)
-    for e in torch.unique(expert_ids[valid]).tolist():
-        rows = (expert_ids == e).nonzero().squeeze(-1)
+    y = torch.zeros((x.shape[0], packed.shape[1]), dtype=x.dtype, device=x.device)
+    for e, rows in rows_by_expert(expert_ids, packed.shape[0]):
         y[rows] = linear(x[rows], packed[e], absmax[e], scale[e], codebook, k, in_features)
     return y
+
+
+def rows_by_expert(expert_ids: torch.Tensor, num_experts: int):
+    """(e, the indices of the rows routed to expert e) for every expert some row names; ids outside [0, E) are
+    skipped. One host sync."""
+    valid = (expert_ids >= 0) & (expert_ids < num_experts)
+    for e in torch.unique(expert_ids[valid]).tolist():
+        yield e, (expert_ids == e).nonzero().squeeze(-1)
