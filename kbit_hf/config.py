@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import struct
 from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -51,12 +49,9 @@ class KbitConfig(QuantizationConfigMixin):
             )
         self.quant_method = "kbit"
         self.k = k
-        self.codebook = list(codebook) if isinstance(codebook, (list, tuple)) else codebook
+        self.codebook = codebook
         self.absmax_format = absmax_format
-        if isinstance(modules_to_not_convert, str):  # list("q_proj") would be its characters
-            raise ValueError(f"modules_to_not_convert: must be a list of module names, got the string "
-                             f"{modules_to_not_convert!r} (did you mean [{modules_to_not_convert!r}]?)")
-        self.modules_to_not_convert = None if modules_to_not_convert is None else list(modules_to_not_convert)
+        self.modules_to_not_convert = modules_to_not_convert
         self.quantize_lm_head = quantize_lm_head
         self.dequantize = dequantize
         self.format_version = format_version
@@ -66,35 +61,27 @@ class KbitConfig(QuantizationConfigMixin):
         """Validate every field; raise ValueError naming the field."""
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k not in fmt.SUPPORTED_K:
             raise ValueError(f"k: must be one of {fmt.SUPPORTED_K}, got {self.k!r}")
-        if isinstance(self.codebook, tuple):
-            self.codebook = list(self.codebook)
         if isinstance(self.codebook, str):
             if self.codebook not in fmt.NAMED_CODEBOOKS:
                 raise ValueError(f"codebook: unknown codebook name {self.codebook!r} (expected one of "
                                  f"{sorted(fmt.NAMED_CODEBOOKS)} or a list)")
-        elif isinstance(self.codebook, list):
-            values = self.codebook
-            if len(values) != 2**self.k:
-                raise ValueError(f"codebook: needs {2**self.k} values for k={self.k}, got {len(values)}")
+        elif isinstance(self.codebook, (list, tuple)):
+            values = list(self.codebook)
             if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
                 raise ValueError("codebook: every value must be a number")
-            if not all(math.isfinite(v) for v in values):
-                raise ValueError("codebook: values must be finite (no NaN or Inf)")
-            if any(abs(v) > 1 for v in values):
-                raise ValueError("codebook: values must lie in [-1, 1] (they are multiplied by each block's absmax)")
-            # the codebook is stored and used in float32: its values must stay distinct there
-            as_f32 = struct.unpack(f"{len(values)}f", struct.pack(f"{len(values)}f", *values))
-            if any(b <= a for a, b in zip(as_f32, as_f32[1:])):
-                raise ValueError("codebook: values must be strictly increasing (also once rounded to float32)")
+            fmt.check_codebook_values(fmt.make_codebook(self.k, values))  # also its length
             self.codebook = [float(v) for v in values]
         else:
             raise ValueError(f"codebook: expected 'nf' or a list of {2**self.k} floats, got {type(self.codebook)}")
         if self.absmax_format not in fmt.ABSMAX_FORMATS:
             raise ValueError(f"absmax_format: must be one of {fmt.ABSMAX_FORMATS}, got {self.absmax_format!r}")
-        if isinstance(self.modules_to_not_convert, str) or (self.modules_to_not_convert is not None and not all(
-            isinstance(m, str) and m for m in self.modules_to_not_convert
-        )):
-            raise ValueError("modules_to_not_convert: must be a list of non-empty module names")
+        if isinstance(self.modules_to_not_convert, str):  # list("q_proj") would be its characters
+            raise ValueError(f"modules_to_not_convert: must be a list of module names, got the string "
+                             f"{self.modules_to_not_convert!r} (did you mean [{self.modules_to_not_convert!r}]?)")
+        if self.modules_to_not_convert is not None:
+            self.modules_to_not_convert = list(self.modules_to_not_convert)
+            if not all(isinstance(m, str) and m for m in self.modules_to_not_convert):
+                raise ValueError("modules_to_not_convert: must be a list of non-empty module names")
         if not isinstance(self.quantize_lm_head, bool):
             raise ValueError(f"quantize_lm_head: must be True or False, got {self.quantize_lm_head!r}")
         if not isinstance(self.dequantize, bool):

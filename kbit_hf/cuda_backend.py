@@ -190,8 +190,7 @@ def _absmax_fp16(absmax: torch.Tensor) -> int:
 def _cb(codebook: torch.Tensor, device: torch.device, k: int) -> torch.Tensor:
     if codebook.device != device or codebook.dtype != torch.float32 or not codebook.is_contiguous():
         codebook = codebook.to(device=device, dtype=torch.float32).contiguous()
-    if codebook.numel() != 2**k:
-        raise ValueError(f"codebook has {codebook.numel()} entries; expected {2**k} for k={k}")
+    fmt.check_codebook_size(codebook, k)
     return codebook
 
 
@@ -206,11 +205,6 @@ def _need(what: str, *tensors) -> None:
         if t is not None and (t.device.type != "cuda" or t.device != dev):
             raise ValueError(f"kbit_hf.cuda_backend.{what}: every tensor must be on one CUDA device; got {t.device} "
                              f"and {dev}")
-
-
-def _check_k(k: int) -> None:
-    if k not in fmt.SUPPORTED_K:
-        raise ValueError(f"k={k} is not supported (expected one of {fmt.SUPPORTED_K})")
 
 
 def _check_shapes(packed, absmax, scale, k, in_features):
@@ -297,7 +291,7 @@ def _relayout(kernel, reference_fn, w, a, in_features, k, to_tiled):
 def quantize_out(weight, codebook, k, absmax_format, packed, absmax, scale):
     """Quantize `weight` [..., out, in] (fp32/fp16/bf16, CUDA) into preallocated packed / absmax / scale."""
     _need("quantize", weight, packed, absmax, scale)
-    _check_k(k)
+    fmt.check_k(k)
     if weight.dtype not in _DTYPE_CODE:
         weight = weight.float()
     weight = weight.contiguous()
@@ -324,7 +318,7 @@ def quantize(weight, codebook, k, absmax_format):
 def dequantize_out(packed, absmax, scale, codebook, k, in_features, out):
     """Dequantize into `out` [..., out_features, in_features] (fp32/fp16/bf16, contiguous)."""
     _need("dequantize", packed, absmax, scale, out)
-    _check_k(k)
+    fmt.check_k(k)
     *lead, rows, _ = packed.shape
     E = math.prod(lead)
     dev = packed.device
@@ -447,7 +441,7 @@ def expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features
     _need("expert_linear", x, packed, absmax, scale)
     N = x.shape[0]
     E, out_f = packed.shape[0], packed.shape[1]
-    _check_k(k)
+    fmt.check_k(k)
     if N == 0:
         return x.new_zeros((0, out_f))
     # One kernel, one weight read per row: up to EXPERT_GEMV_MAX_N rows, or any count while a CUDA graph is being

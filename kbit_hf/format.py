@@ -61,6 +61,25 @@ def nf0_codebook(k: int) -> torch.Tensor:
 NAMED_CODEBOOKS = {"nf": nf_codebook, "nf0": nf0_codebook}
 
 
+def check_k(k: int) -> None:
+    if k not in SUPPORTED_K:
+        raise ValueError(f"k={k!r} is not supported (expected one of {SUPPORTED_K})")
+
+
+def check_codebook_size(codebook: torch.Tensor, k: int) -> None:
+    if codebook.numel() != 2**k:
+        raise ValueError(f"codebook has {codebook.numel()} entries; k={k} needs {2**k}")
+
+
+def check_codebook_values(codebook: torch.Tensor, what: str = "codebook") -> None:
+    """What a codebook may hold: finite float32 values in [-1, 1] (they multiply each block's absmax), strictly
+    increasing (the index search relies on it, and so must their float32 roundings)."""
+    cb = codebook.to(torch.float32)
+    if not (torch.isfinite(cb).all() and (cb.abs() <= 1).all() and (cb.diff() > 0).all()):
+        raise ValueError(f"{what} must be finite, strictly increasing values in [-1, 1] (as float32), got "
+                         f"{codebook.tolist()}")
+
+
 def make_codebook(k: int, codebook: str | list[float] | tuple[float, ...]) -> torch.Tensor:
     """The float32 codebook tensor for a config value (a name in NAMED_CODEBOOKS or an explicit list)."""
     if isinstance(codebook, str):
@@ -357,6 +376,9 @@ __all__ = [
     "nearest_index",
     "pack_bitplanes",
     "unpack_bitplanes",
+    "check_k",
+    "check_codebook_size",
+    "check_codebook_values",
     "bits_per_weight",
     "packed_shapes",
     "empty_quantized",

@@ -270,9 +270,7 @@ def _check_values(name: str, tensors: dict[str, torch.Tensor], absmax_format: st
     if not (torch.isfinite(scale).all() and (scale > 0).all() and (torch.frexp(scale).mantissa == 0.5).all()):
         raise ValueError(f"kbit checkpoint: {name}_scale must hold positive finite powers of two, got "
                          f"{scale.flatten()[:8].tolist()}")
-    if not (torch.isfinite(codebook).all() and (codebook.abs() <= 1).all() and (codebook.diff() > 0).all()):
-        raise ValueError(f"kbit checkpoint: {name}_codebook must be finite, strictly increasing values in [-1, 1], "
-                         f"got {codebook.tolist()}")
+    fmt.check_codebook_values(codebook, f"kbit checkpoint: {name}_codebook")
     absmax = tensors["_absmax"]
     if absmax_format == "fp16" and not (torch.isfinite(absmax).all() and (absmax >= 0).all()):
         raise ValueError(f"kbit checkpoint: {name}_absmax (fp16 block scales) must be finite and >= 0")

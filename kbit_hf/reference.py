@@ -31,13 +31,6 @@ def _blocked(w: torch.Tensor) -> torch.Tensor:
     return w.view(rows, -1, fmt.BLOCK)
 
 
-def _check_k_codebook(k: int, codebook: torch.Tensor) -> None:
-    if k not in fmt.SUPPORTED_K:
-        raise ValueError(f"k={k!r} is not supported (expected one of {fmt.SUPPORTED_K})")
-    if codebook.numel() != 2**k:
-        raise ValueError(f"codebook has {codebook.numel()} entries; k={k} needs {2**k}")
-
-
 def quantize(
     weight: torch.Tensor, codebook: torch.Tensor, k: int, absmax_format: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,7 +40,8 @@ def quantize(
                          f"{tuple(weight.shape)}")
     if not weight.is_floating_point():
         raise ValueError(f"kbit quantizes floating-point weights; got {weight.dtype}")
-    _check_k_codebook(k, codebook)
+    fmt.check_k(k)
+    fmt.check_codebook_size(codebook, k)
     fmt.check_absmax_format(absmax_format)
     fmt.check_finite(weight)
     if weight.dtype == torch.float64 and bool(weight.abs().amax() > torch.finfo(torch.float32).max):
@@ -87,7 +81,8 @@ def dequantize(
 ) -> torch.Tensor:
     """Inverse of `quantize` up to rounding: -> [..., out, in_features] in `dtype`. Also takes the tiled layout
     (format.tile: uint8 packed)."""
-    _check_k_codebook(k, codebook)
+    fmt.check_k(k)
+    fmt.check_codebook_size(codebook, k)
     if fmt.is_tiled(packed):
         packed, absmax = fmt.untile(packed, absmax, in_features, k)
     *lead, out, words = packed.shape
