@@ -121,3 +121,97 @@ def test_static_cache_generate_compiles_into_cuda_graphs_and_matches_eager(famil
             bad.append(b)
     assert len(bad) <= (0 if same_kernels else 0.05 * batch), f"sequences differing beyond tolerance: {bad[:20]}"
     assert (tok_e == tok_c).float().mean() > (0.95 if same_kernels else 0.8)
+
+
+def _rewritten(folder, tmp_path, name, edit):
+    """A copy of a saved kbit folder with its state dict changed by edit(state)."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(folder / "model.safetensors")
+    edit(sd)
+    d = tmp_path / name
+    d.mkdir()
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    (d / "config.json").write_text((folder / "config.json").read_text())
+    return d
+
+
+def test_loads_onto_the_gpu_check_the_kbit_values(tmp_path):
+    """The loader's value and dtype checks run on the tensors where they land: here on the GPU."""
+    tiny_model("mixtral").save_pretrained(tmp_path / "fp")
+    q = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=KbitConfig(k=4, absmax_format="fp16"),
+                                             device_map="cuda")
+    q.save_pretrained(tmp_path / "q")
+    key = "model.layers.0.self_attn.q_proj.weight"
+    cases = {
+        "scale": (lambda sd: sd[key + "_scale"].mul_(1.5), "powers of two"),
+        "expert_scale": (lambda sd: next(t for n, t in sd.items() if n.endswith("down_proj_scale")).__setitem__(1, 0.3),
+                         "down_proj_scale must hold positive"),
+        "codebook": (lambda sd: sd.__setitem__(key + "_codebook", sd[key + "_codebook"].flip(0)), "strictly increasing"),
+        "absmax_inf": (lambda sd: sd[key + "_absmax"].__setitem__((0, 0), float("inf")), "must be finite"),
+        "absmax_dtype": (lambda sd: sd.__setitem__(key + "_absmax", sd[key + "_absmax"].bfloat16()), "stored as BF16"),
+    }
+    for name, (edit, message) in cases.items():
+        with pytest.raises(ValueError, match=message):
+            AutoModelForCausalLM.from_pretrained(_rewritten(tmp_path / "q", tmp_path, name, edit), device_map="cuda")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "q", device_map="cuda")  # the untouched folder loads
+    ids = torch.randint(0, VOCAB, (1, 6), device="cuda")
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, q(ids).logits)
+
+
+def test_dtype_cast_on_the_gpu_keeps_the_format_dtypes(tmp_path):
+    tiny_model("mixtral").save_pretrained(tmp_path / "fp")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=KbitConfig(k=4,
+                                                 absmax_format="fp16"), device_map="cuda")
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    kbit = [n for n in before if n.endswith(("_absmax", "_scale", "_codebook")) or n + "_absmax" in before]
+    ids = torch.randint(0, VOCAB, (2, 7), device="cuda")
+    with torch.no_grad():
+        want = model(ids).logits.float()
+    model.to(torch.float16)
+    after = model.state_dict()
+    for n in kbit:
+        assert after[n].dtype == before[n].dtype and torch.equal(after[n], before[n]), n
+    with torch.no_grad():
+        got = model(ids).logits
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.05)  # bf16 -> fp16 activations, same weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_expert_linear_input_gradient_on_the_gpu(dtype):
+    from kbit_hf import format as fmt
+    from kbit_hf import ops, reference
+
+    E, out, inp = 5, 40, 300
+    g = torch.Generator().manual_seed(1)
+    cb = fmt.nf_codebook(4)
+    p, a, s = (t.cuda() for t in reference.quantize(torch.randn(E, out, inp, generator=g), cb, 4, "e4m4"))
+    cb = cb.cuda()
+    ids = torch.tensor([4, 0, 5, 2, -1, 1, 0, 4, 3], device="cuda")  # 5 (== E) and -1: sentinels
+    x = torch.randn(len(ids), inp, generator=g).to(dtype).cuda().requires_grad_(True)
+    gy = torch.randn(len(ids), out, generator=g).to(dtype).cuda()
+    (ops.expert_linear(x, ids, p, a, s, cb, 4, inp) * gy).sum().backward()
+    wd = reference.dequantize(p, a, s, cb, 4, inp, torch.float32).double()
+    want = torch.stack([gy[r].double() @ wd[e] if 0 <= e < E else torch.zeros(inp, dtype=torch.float64, device="cuda")
+                        for r, e in enumerate(ids.tolist())])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(x.grad.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def test_moe_model_backward_on_the_gpu_matches_its_dequantized_model(tmp_path):
+    tiny_model("mixtral", dtype=torch.float32).save_pretrained(tmp_path / "fp")
+    grads = []
+    for dequantize in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=KbitConfig(k=4),
+                                                     device_map="cuda")
+        if dequantize:
+            model.dequantize()
+        emb = model.get_input_embeddings().weight
+        emb.requires_grad_(True)
+        ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0)).cuda()
+        model(ids, labels=ids).loss.backward()
+        grads.append(emb.grad)
+    assert torch.isfinite(grads[0]).all() and grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-6)

@@ -28,6 +28,8 @@ def main():
     ap.add_argument("--check", action="store_true", help="first check outputs against a float64 reference")
     ap.add_argument("--planes", action="store_true",
                     help="time the bit planes even where KbitLinear would hold the weight tiled (format.tile)")
+    ap.add_argument("--tiled-kernel", choices=("auto", "range", "batch"), default="auto",
+                    help="force one tiled GEMV kernel (cuda_backend.tiled_kernel) to compare them at the same M")
     ap.add_argument("--compare", nargs="+", default=None, help="print a side-by-side table of JSON files and exit")
     a = ap.parse_args()
     if a.compare:
@@ -52,6 +54,7 @@ def main():
                                       _tinygemm_weights, copy_bandwidth)
 
     assert cuda.available(), cuda.load_error()
+    cuda.tiled_kernel = {"auto": 0, "range": 1, "batch": 2}[a.tiled_kernel]
     torch.manual_seed(0)
     if a.check:
         from kbit_hf import format as fmt

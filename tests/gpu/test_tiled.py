@@ -211,6 +211,14 @@ def test_kbit_linear_device_moves_choose_the_layout(k):
     _assert_linear_close(layer(x), ref, mag, torch.bfloat16, rel_w=GEMV_REL_W[torch.bfloat16])
     layer.to(torch.bfloat16)  # a dtype cast keeps the layout
     assert layer.is_tiled == _sm90()
+    tiled = {n: t.clone() for n, t in layer.named_buffers()} | {n: t.clone() for n, t in layer.named_parameters()}
+    layer.to(torch.float16)  # ... and the kbit tensors' dtypes and values; the bias follows the cast
+    assert layer.is_tiled == _sm90() and layer.bias.dtype == torch.float16
+    for n, t in list(layer.named_buffers()) + list(layer.named_parameters()):
+        if n != "bias":
+            assert t.dtype == tiled[n].dtype and torch.equal(t, tiled[n]), n
+    _assert_linear_close(layer(x.half()), ref, mag, torch.float16, rel_w=GEMV_REL_W[torch.float16])
+    layer.to(torch.bfloat16)
     layer.cpu()
     assert not layer.is_tiled and torch.equal(layer.weight, sd["weight"])
     assert torch.equal(layer.weight_absmax, sd["weight_absmax"])
