@@ -120,16 +120,17 @@ def _ref_linear64(x, p, a, s, cb, k, inf, bias=None):
     return y, mag
 
 
-def _assert_linear_close(y, ref, mag, dtype, rel_w=0.0):
+def _assert_linear_close(y, ref, mag, dtype, rel_w=0.0, norm_check=True):
     eps = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-23}[dtype]
     err = (y.double().cpu() - ref).abs()
     # output rounding (one ulp) + fp32 accumulation + (dequant+cuBLAS path) weights rounded to the activation dtype
     tol = eps * ref.abs() + (1e-5 + rel_w) * mag + 1e-30
     assert bool((err <= tol).all()), f"max err {err.max().item()} vs tol {tol[err > tol][:3].tolist()}"
     # The per-element bound above is loose enough (~2^-7 of sum|x||w| in bf16) to pass a kernel that drops a block
-    # or misreads 1 block scale in 16. Over >= 64 outputs the error's norm must also stay within rounding: a
-    # simulation put honest bf16 kernels at ~0.0023 of the reference's norm and those bugs at 0.012-0.048.
-    if ref.numel() >= 64:
+    # or misreads 1 block scale in 16. Over >= 64 outputs of like rows the error's norm must also stay within
+    # rounding: a simulation put honest bf16 kernels at ~0.0023 of the reference's norm and those bugs at
+    # 0.012-0.048. (Not where one row dominates the norm: then it is one output's relative error, up to ~0.013.)
+    if norm_check and ref.numel() >= 64:
         rel_norm = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-9, torch.float32: 2.0**-14}[dtype]
         ratio = (err.norm() / ref.norm()).item()
         assert ratio <= rel_norm, f"relative error norm {ratio:.3g} > {rel_norm:.3g}"
@@ -388,4 +389,5 @@ def test_gemv_scales_and_tails(k, dtype, absmax_format):
         ref, mag = _ref_linear64(x, p, a, s, cb, k, in_f)
         out = torch.full((M, out_f), float("nan"), dtype=dtype, device="cuda")
         _cuda().linear_out(x.cuda(), p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, in_f, None, out)
-        _assert_linear_close(out, ref, mag, dtype, rel_w=GEMV_REL_W[dtype])
+        # row 5 (x30) dominates the norm, so a bound on it would be one output's relative error: per element only
+        _assert_linear_close(out, ref, mag, dtype, rel_w=GEMV_REL_W[dtype], norm_check=False)
