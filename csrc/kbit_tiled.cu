@@ -604,31 +604,34 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   KBIT_STAMP(4);
   // boundary tiles: warp w stores the tiles it is the first warp to touch (its first tile unless an earlier warp's
   // range ends in it, and its last tile when that is not its first), summed over the warps touching them in warp
-  // order; a later warp can touch such a tile only as its first tile
+  // order; a later warp can touch such a tile only as its first tile. Tile t holds items [t IPT, (t + 1) IPT): the
+  // tests below compare item indices with those bounds, no divisions (this epilogue is one warp's dependent chain;
+  // with a 64-bit division per warp visited it took 1-3 us at the end of small layers, per-warp timeline).
   if (u0 >= u1) return;
   for (int side = 0; side < 2; ++side) {
-    const int64_t t = side ? tl : tf;
+    const int t = side ? tl : tf;
     if (side == 1 && tl == tf) break;
     if (side == 0) {
-      bool earlier = false;
+      bool earlier = false;  // the nearest earlier warp with items ends inside tile t
       for (int w2 = warp - 1; w2 >= 0; --w2) {
-        const int64_t b0 = range_begin(w2), b1 = range_begin(w2 + 1);
+        const int b0 = range_begin(w2), b1 = range_begin(w2 + 1);
         if (b0 < b1) {
-          earlier = (b1 - 1) / IPT == t;
+          earlier = b1 > t * IPT;
           break;
         }
       }
       if (earlier) continue;
     }
+    // the later warps whose ranges start inside tile t: [warp + 1, wend), those with items
+    int wend = warp + 1;
+    while (wend < NW && range_begin(wend) < (t + 1) * IPT) ++wend;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       float vv[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) vv[i] = *red_at(warp, side, nt, i);
-      for (int w2 = warp + 1; w2 < NW; ++w2) {
-        const int64_t b0 = range_begin(w2), b1 = range_begin(w2 + 1);
-        if (b0 >= b1) continue;
-        if (b0 / IPT != t) break;
+      for (int w2 = warp + 1; w2 < wend; ++w2) {
+        if (range_begin(w2) == range_begin(w2 + 1)) continue;  // no items, no partial
 #pragma unroll
         for (int i = 0; i < 4; ++i) vv[i] += *red_at(w2, 0, nt, i);
       }
@@ -1043,9 +1046,13 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
 // or for K = 2 two items per bulk copy, measured slower or even, also on small layers). M = 9..64: the batched kernel
 // where the CTAs have tiles to give their warps (>= 2 per SM; a layer of 1..2 tiles per SM gains only at M > 40, and
 // for K = 5 not at all: 0.70-0.83x on 4096x14336, whose batched lookups conflict 2-way): up to 2.6x the range kernel
-// there (0.86-0.96x only on 28672x8192 at M = 9). Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32
-// (their accumulators need the registers), and launches of 32 tokens above. kernel: KBIT_TILED_AUTO, or
-// KBIT_TILED_RANGE / KBIT_TILED_BATCH to force one (tests).
+// there. But at M = 9..14 the range kernel (two token tiles) is faster on layers of many items per warp, the more
+// so the smaller K (its lookups are shared by both token tiles; 2026-11-23, H100, both forced on six shapes from
+// 6144x4096 to 128256x4096): K = 2 on every layer (0.79-0.99x the batched kernel's time), K = 3 from 12 items
+// per warp (0.85-0.99x), K = 4 from 24 (0.90-0.97x), K = 5 from 48 (0.94-1.00x); below those the batched kernel
+// was as fast or faster. Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their accumulators need
+// the registers), and launches of 32 tokens above. kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE /
+// KBIT_TILED_BATCH to force one (tests).
 template <typename T, int K>
 int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                       const T* bias, int64_t out, int64_t in, T* y, int kernel, cudaStream_t st) {
@@ -1054,8 +1061,11 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
     return (int)cudaErrorInvalidDevice;
   if (major < 9) return (int)cudaErrorNotSupported;
   const int64_t tiles = out / 16;
+  const int64_t items_per_warp = tiles * (in / 256) / (16 * (int64_t)sms);
+  const bool range_first = M <= 14 && items_per_warp >= (K == 2 ? 0 : K == 3 ? 12 : K == 4 ? 24 : 48);
   const bool batch = kernel == KBIT_TILED_BATCH ||
-                     (kernel == KBIT_TILED_AUTO && M > 8 && (tiles >= 2 * sms || (K != 5 && M > 40 && tiles >= sms)));
+                     (kernel == KBIT_TILED_AUTO && M > 8 && !range_first &&
+                      (tiles >= 2 * sms || (K != 5 && M > 40 && tiles >= sms)));
   if (batch) {
     if (M <= 16) return gemv_tiled_batch_go<T, K, 8, 4, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
     if (M <= 32) return gemv_tiled_batch_go<T, K, 8, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);

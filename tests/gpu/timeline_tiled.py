@@ -59,6 +59,13 @@ def main():
             v = v.tolist()
             print(f"  {name:>16}: {min(v):7.2f} {pct(v, 50):7.2f} {max(v):7.2f}")
         print(f"  per item in the loop: {pct(loop.tolist(), 50) / max(items - 1, 1):.3f} us (median warp)")
+        # the CTAs that end last: where their time goes (-1e6 and below: a warp with no items stamped nothing)
+        cta_end = t[:, :, 5].where(t[:, :, 5] > -1e6, torch.tensor(-1.0, dtype=t.dtype)).amax(1)
+        print("  last CTAs: start / table / first item (min, max) / loop end (max) / epilogue start / end (max)")
+        for c in cta_end.argsort(descending=True)[:4].tolist():
+            fi = t[c, :, 2][t[c, :, 2] > -1e6]
+            print(f"    CTA {c:3d}: {t[c, 0, 0]:5.2f} / {t[c, 0, 1]:5.2f} / {fi.min():5.2f}, {fi.max():5.2f} / "
+                  f"{t[c, :, 3].amax():5.2f} / {t[c, 0, 4]:5.2f} / {cta_end[c]:5.2f}")
         del copies
 
 
