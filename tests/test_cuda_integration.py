@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kbit_hf import KbitConfig, KbitLinear, KbitMoE
-from tiny_models import VOCAB, tiny_model
+from tiny_models import VOCAB, rewritten_copy, tiny_model
 
 pytestmark = pytest.mark.cuda
 
@@ -123,19 +123,6 @@ def test_static_cache_generate_compiles_into_cuda_graphs_and_matches_eager(famil
     assert (tok_e == tok_c).float().mean() > (0.95 if same_kernels else 0.8)
 
 
-def _rewritten(folder, tmp_path, name, edit):
-    """A copy of a saved kbit folder with its state dict changed by edit(state)."""
-    from safetensors.torch import load_file, save_file
-
-    sd = load_file(folder / "model.safetensors")
-    edit(sd)
-    d = tmp_path / name
-    d.mkdir()
-    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
-    (d / "config.json").write_text((folder / "config.json").read_text())
-    return d
-
-
 def test_loads_onto_the_gpu_check_the_kbit_values(tmp_path):
     """The loader's value and dtype checks run on the tensors where they land: here on the GPU."""
     tiny_model("mixtral").save_pretrained(tmp_path / "fp")
@@ -153,7 +140,8 @@ def test_loads_onto_the_gpu_check_the_kbit_values(tmp_path):
     }
     for name, (edit, message) in cases.items():
         with pytest.raises(ValueError, match=message):
-            AutoModelForCausalLM.from_pretrained(_rewritten(tmp_path / "q", tmp_path, name, edit), device_map="cuda")
+            AutoModelForCausalLM.from_pretrained(rewritten_copy(tmp_path / "q", tmp_path, name, edit),
+                                                 device_map="cuda")
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "q", device_map="cuda")  # the untouched folder loads
     ids = torch.randint(0, VOCAB, (1, 6), device="cuda")
     with torch.no_grad():

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 import kbit_hf
 from kbit_hf import KbitConfig, KbitLinear, KbitMoE
 from kbit_hf import reference
-from tiny_models import FAMILIES, MOE_FAMILIES, VOCAB, tiny_model
+from tiny_models import FAMILIES, MOE_FAMILIES, VOCAB, rewritten_copy, tiny_model
 
 FAMILY_LIST = list(FAMILIES)
 
@@ -398,17 +398,6 @@ def test_loaded_experts_are_the_fused_float_experts_quantized(family, fp_folder,
                 assert torch.equal(getattr(m, p + "_absmax"), absmax) and torch.equal(getattr(m, p + "_scale"), scale)
 
 
-def _rewrite(folder, tmp_path, name, edit):
-    """A copy of a saved kbit folder with its state dict changed by edit(state)."""
-    sd = load_file(os.path.join(folder, "model.safetensors"))
-    edit(sd)
-    d = tmp_path / name
-    d.mkdir()
-    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
-    (d / "config.json").write_text(open(os.path.join(folder, "config.json")).read())
-    return d
-
-
 def test_kbit_tensors_stored_in_another_dtype_are_refused(quantized, tmp_path):
     # transformers casts each checkpoint tensor to its parameter's dtype: without the header check a float32 'packed'
     # weight or fp16 e4m4 scales would load as silently wrong values
@@ -418,7 +407,7 @@ def test_kbit_tensors_stored_in_another_dtype_are_refused(quantized, tmp_path):
                                   ("_scale", torch.bfloat16, "BF16"), ("_codebook", torch.float64, "F64")):
         def edit(sd, s=suffix, dt=dtype):
             sd[key + s] = sd[key + s].to(dt)
-        d = _rewrite(folder, tmp_path, f"dtype{suffix}", edit)
+        d = rewritten_copy(folder, tmp_path, f"dtype{suffix}", edit)
         with pytest.raises(ValueError, match=rf"{key}{suffix} is stored as {stored}"):
             AutoModelForCausalLM.from_pretrained(d)
 
@@ -438,14 +427,14 @@ def test_kbit_values_outside_the_format_are_refused(quantized, tmp_path):
         def edit(sd, k=tensor, f=change):
             sd[k] = f(sd[k])
         with pytest.raises(ValueError, match=message):
-            AutoModelForCausalLM.from_pretrained(_rewrite(folder, tmp_path, name, edit))
+            AutoModelForCausalLM.from_pretrained(rewritten_copy(folder, tmp_path, name, edit))
     expert_scale = next(k for k in load_file(os.path.join(folder, "model.safetensors"))
                         if k.endswith("experts.down_proj_scale"))
 
     def edit(sd):
         sd[expert_scale][1] = 0.3
     with pytest.raises(ValueError, match="down_proj_scale must hold positive finite powers of two"):
-        AutoModelForCausalLM.from_pretrained(_rewrite(folder, tmp_path, "expert_scale", edit))
+        AutoModelForCausalLM.from_pretrained(rewritten_copy(folder, tmp_path, "expert_scale", edit))
 
 
 def test_fp16_block_scales_must_be_finite(fp_folder, tmp_path):
@@ -457,7 +446,7 @@ def test_fp16_block_scales_must_be_finite(fp_folder, tmp_path):
     def edit(sd):
         sd[key][0, 0] = float("inf")
     with pytest.raises(ValueError, match="absmax .fp16 block scales. must be finite"):
-        AutoModelForCausalLM.from_pretrained(_rewrite(str(tmp_path / "fp16"), tmp_path, "inf", edit))
+        AutoModelForCausalLM.from_pretrained(rewritten_copy(str(tmp_path / "fp16"), tmp_path, "inf", edit))
 
 
 def test_a_missing_bias_of_a_kbit_layer_is_refused(tmp_path):
@@ -471,7 +460,7 @@ def test_a_missing_bias_of_a_kbit_layer_is_refused(tmp_path):
 
     def edit(sd):
         del sd["model.layers.0.self_attn.q_proj.bias"]
-    nobias = _rewrite(str(tmp_path / "kbit"), tmp_path, "nobias", edit)
+    nobias = rewritten_copy(str(tmp_path / "kbit"), tmp_path, "nobias", edit)
     with pytest.raises(ValueError, match="missing model.layers.0.self_attn.q_proj.bias"):
         AutoModelForCausalLM.from_pretrained(nobias)
     # the same with layer 1 offloaded to disk (accelerate then hooks every module, offloaded or not)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import transformers
 
@@ -46,3 +48,16 @@ def tiny_model(family: str, dtype=torch.bfloat16, seed: int = 0, **overrides):
             elif "bias" in name:
                 p.normal_(0, 0.01)
     return model.eval()
+
+
+def rewritten_copy(folder, tmp_path, name, edit):
+    """A copy of a saved kbit folder with its state dict changed by edit(state)."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(os.path.join(folder, "model.safetensors"))
+    edit(sd)
+    d = tmp_path / name
+    d.mkdir()
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    (d / "config.json").write_text(open(os.path.join(folder, "config.json")).read())
+    return d
