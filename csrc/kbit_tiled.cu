@@ -1063,9 +1063,14 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
   const int64_t tiles = out / 16;
   const int64_t items_per_warp = tiles * (in / 256) / (16 * (int64_t)sms);
   const bool range_first = M <= 14 && items_per_warp >= (K == 2 ? 0 : K == 3 ? 12 : K == 4 ? 24 : 48);
+  // 1..2 tiles per SM: the batched kernel from M = 41 (K != 5) on layers of many items per warp (4096x14336), and on
+  // small ones (< 2 items per warp: 4096x4096, 3072x3072) also at M = 16..40 (K = 3, 4) and M = 9..16 and 41..64 (K =
+  // 5), where it measured 0.81-0.99x the range kernel's time (K = 3 at M = 32: 0.99-1.03x; H100, fifteenth session,
+  // docs/results/small_layers)
+  const bool small = items_per_warp < 2;
+  const bool batch_mid = tiles >= sms && (M > 40 ? K != 5 || small : small && (K == 5 ? M <= 16 : M > 15));
   const bool batch = kernel == KBIT_TILED_BATCH ||
-                     (kernel == KBIT_TILED_AUTO && M > 8 && !range_first &&
-                      (tiles >= 2 * sms || (K != 5 && M > 40 && tiles >= sms)));
+                     (kernel == KBIT_TILED_AUTO && M > 8 && !range_first && (tiles >= 2 * sms || batch_mid));
   if (batch) {
     if (M <= 16) return gemv_tiled_batch_go<T, K, 8, 4, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
     if (M <= 32) return gemv_tiled_batch_go<T, K, 8, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);

@@ -30,6 +30,8 @@ def main():
                     help="time the bit planes even where KbitLinear would hold the weight tiled (format.tile)")
     ap.add_argument("--tiled-kernel", choices=("auto", "range", "batch"), default="auto",
                     help="force one tiled GEMV kernel (cuda_backend.tiled_kernel) to compare them at the same M")
+    ap.add_argument("--tiled-min-numel", type=int, default=None,
+                    help="tile weights from this many elements on (cuda_backend.TILED_MIN_NUMEL; 0: every tileable shape)")
     ap.add_argument("--compare", nargs="+", default=None, help="print a side-by-side table of JSON files and exit")
     a = ap.parse_args()
     if a.compare:
@@ -55,6 +57,8 @@ def main():
 
     assert cuda.available(), cuda.load_error()
     cuda.tiled_kernel = {"auto": 0, "range": 1, "batch": 2}[a.tiled_kernel]
+    if a.tiled_min_numel is not None:
+        cuda.TILED_MIN_NUMEL = dict.fromkeys(cuda.TILED_MIN_NUMEL, a.tiled_min_numel)
     torch.manual_seed(0)
     if a.check:
         from kbit_hf import format as fmt

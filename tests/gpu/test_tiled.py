@@ -180,8 +180,12 @@ def _layer(out_f, in_f, dtype=torch.bfloat16, k=4):
 
 @pytest.mark.parametrize("k", fmt.TILED_K)
 def test_kbit_linear_tiles_large_layers_on_sm90(k):
-    big, small = _layer(6144, 4096, k=k), _layer(4096, 4096, k=k)
-    assert big.tile_() == _sm90() and not small.tile_()  # 4096 x 4096 is not worth it (docs/kernels.md)
+    big = _layer(6144, 4096, k=k)
+    assert big.tile_() == _sm90()
+    # smaller layers by K (cuda_backend.TILED_MIN_NUMEL): 4096 x 4096 tiled for K = 3..5, 2048 x 4096 for K = 5 only
+    assert _layer(4096, 4096, k=k).tile_() == (_sm90() and k != 2)
+    assert _layer(2048, 4096, k=k).tile_() == (_sm90() and k == 5)
+    assert not _layer(1024, 4096, k=k).tile_()
     assert not _layer(6144 + 8, 4096, k=k).tile_()  # out % 16
     if not _sm90():
         return
@@ -238,7 +242,12 @@ def test_from_pretrained_tiles_large_layers_and_saves_bit_planes(tmp_path, k):
                num_key_value_heads=8, head_dim=128).save_pretrained(fp)
     model = AutoModelForCausalLM.from_pretrained(fp, quantization_config=KbitConfig(k=k), device_map="cuda")
     tiled = {n for n, m in model.named_modules() if isinstance(m, KbitLinear) and m.is_tiled}
-    assert tiled == {f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
+    # the MLP's 4096 x 4352 layers; for K = 3..5 also q_proj and o_proj (4096 x 4096), never k_proj / v_proj (1024 x
+    # 4096; cuda_backend.TILED_MIN_NUMEL)
+    expected = {f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
+    if k != 2:
+        expected |= {f"model.layers.0.self_attn.{p}" for p in ("q_proj", "o_proj")}
+    assert tiled == expected
     ids = torch.randint(0, 64, (1, 5), device="cuda")
     with torch.no_grad():
         logits = model(ids).logits.float()
