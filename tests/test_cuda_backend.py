@@ -44,3 +44,18 @@ def test_entry_points_refuse_tensors_off_the_gpu(monkeypatch):
         with pytest.raises(ValueError, match=rf"cuda_backend\.{name}: every tensor must be on one CUDA device; got "
                                              "cpu"):
             call()
+
+
+@pytest.mark.parametrize("k", (2, 3, 4, 5))
+def test_which_weights_kbit_linear_holds_tiled(monkeypatch, k):
+    """The size threshold per K (cuda_backend.TILED_MIN_NUMEL, measured in docs/results/small_layers) and the layout's
+    own conditions, on a device that runs the tiled GEMV (here pretended: tiled_supported is the device check)."""
+    monkeypatch.setattr(cb, "tiled_supported", lambda device: True)
+    tiled = {shape for shape in ((1024, 4096), (2048, 4096), (3072, 3072), (4096, 4096), (6144, 4096))
+             if cb.holds_tiled(*shape, k, "e4m4", "cuda")}
+    expected = {(6144, 4096)} | ({(4096, 4096)} if k != 2 else set()) | ({(2048, 4096), (3072, 3072)} if k == 5 else set())
+    assert tiled == expected
+    assert not cb.holds_tiled(6144, 4096, k, "fp16", "cuda")  # the layout holds e4m4 scales only
+    assert not cb.holds_tiled(6144 + 8, 4096, k, "e4m4", "cuda")  # out % 16
+    assert not cb.holds_tiled(6144, 4096 + 128, k, "e4m4", "cuda")  # in % 256
+    assert not cb.holds_tiled(6144, 4096, 6, "e4m4", "cuda")  # no tiled layout for other K
