@@ -40,6 +40,7 @@ __all__ = [
     "expert_linear",
     "GEMV_MAX_M",
     "EXPERT_GEMV_MAX_N",
+    "TILED_KERNELS",
     "TILED_MIN_NUMEL",
     "tiled_supported",
     "holds_tiled",
@@ -369,8 +370,10 @@ def linear_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
 
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
-# which tiled GEMV kernel runs (csrc/kbit_api.h): 0 the library's choice; tests set 1 (per-warp ranges) or 2 (batched)
-tiled_kernel = 0
+# which tiled GEMV kernel runs (csrc/kbit_api.h, KBIT_TILED_*): the library's choice, or one forced by tests and
+# benchmarks (per-warp ranges or batched)
+TILED_KERNELS = {"auto": 0, "range": 1, "batch": 2}
+tiled_kernel = TILED_KERNELS["auto"]
 
 
 def _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y, dev):

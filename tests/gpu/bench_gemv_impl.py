@@ -56,7 +56,7 @@ def main():
                                       _tinygemm_weights, copy_bandwidth)
 
     assert cuda.available(), cuda.load_error()
-    cuda.tiled_kernel = {"auto": 0, "range": 1, "batch": 2}[a.tiled_kernel]
+    cuda.tiled_kernel = cuda.TILED_KERNELS[a.tiled_kernel]
     if a.tiled_min_numel is not None:
         cuda.TILED_MIN_NUMEL = dict.fromkeys(cuda.TILED_MIN_NUMEL, a.tiled_min_numel)
     torch.manual_seed(0)

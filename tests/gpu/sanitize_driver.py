@@ -52,14 +52,14 @@ def main():
             cuda.dequantize(wt, at, s, cb, k, shape[1], odt)
             n += 1
         if cuda.tiled_supported(torch.device("cuda")):
-            for kernel in (1, 2):  # the per-warp-range and the batched kernel (csrc/kbit_api.h)
-                cuda.tiled_kernel = kernel
+            for kernel in ("range", "batch"):  # each tiled GEMV kernel forced
+                cuda.tiled_kernel = cuda.TILED_KERNELS[kernel]
                 for xdt in (torch.bfloat16, torch.float16):
                     for M in (1, 8, 9, 17, 33, 64):
                         x = torch.randn(M, shape[1], device="cuda", dtype=xdt)
                         cuda.linear(x, wt, at, s, cb, k, shape[1], torch.randn(shape[0], device="cuda", dtype=xdt))
                         n += 1
-            cuda.tiled_kernel = 0
+            cuda.tiled_kernel = cuda.TILED_KERNELS["auto"]
     torch.cuda.synchronize()
     print(f"sanitize_driver: {n} kernel calls OK")
 

@@ -61,7 +61,7 @@ def test_dequantize_tiled_is_bitwise_the_bit_plane_kernel(shape, dtype, k):
 @pytest.fixture(params=("auto", "range", "batch"))
 def tiled_kernel(request, monkeypatch):
     """The tiled GEMV kernel: the library's choice, or forced (csrc/kbit_api.h, kbit_gemv_tiled)."""
-    monkeypatch.setattr(_cuda(), "tiled_kernel", {"auto": 0, "range": 1, "batch": 2}[request.param])
+    monkeypatch.setattr(_cuda(), "tiled_kernel", _cuda().TILED_KERNELS[request.param])
     return request.param
 
 
