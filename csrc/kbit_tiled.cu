@@ -1045,8 +1045,8 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
 // gemv_tiled_kernel, 16 warps of one slot each (at steady state its K = 4 reads run at the copy bandwidth; more slots,
 // or for K = 2 two items per bulk copy, measured slower or even, also on small layers). M = 9..64: the batched kernel
 // where the CTAs have tiles to give their warps (>= 2 per SM; a layer of 1..2 tiles per SM gains only at M > 40, and
-// for K = 5 not at all: 0.70-0.83x on 4096x14336, whose batched lookups conflict 2-way): up to 2.6x the range kernel
-// there. But at M = 9..14 the range kernel (two token tiles) is faster on layers of many items per warp, the more
+// for K = 5 not at all: 0.70-0.83x on 4096x14336, whose batched lookups conflict 2-way; except small layers, below):
+// up to 2.6x the range kernel there. But at M = 9..14 the range kernel (two token tiles) is faster on layers of many items per warp, the more
 // so the smaller K (its lookups are shared by both token tiles; 2026-11-23, H100, both forced on six shapes from
 // 6144x4096 to 128256x4096): K = 2 on every layer (0.79-0.99x the batched kernel's time), K = 3 from 12 items
 // per warp (0.85-0.99x), K = 4 from 24 (0.90-0.97x), K = 5 from 48 (0.94-1.00x); below those the batched kernel
@@ -1065,10 +1065,10 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
   const bool range_first = M <= 14 && items_per_warp >= (K == 2 ? 0 : K == 3 ? 12 : K == 4 ? 24 : 48);
   // 1..2 tiles per SM: the batched kernel from M = 41 (K != 5) on layers of many items per warp (4096x14336), and on
   // small ones (< 2 items per warp: 4096x4096, 3072x3072) also at M = 16..40 (K = 3, 4) and M = 9..16 and 41..64 (K =
-  // 5), where it measured 0.81-0.99x the range kernel's time (K = 3 at M = 32: 0.99-1.03x; H100, fifteenth session,
-  // docs/results/small_layers)
+  // 5), where it measured 0.69-0.99x the range kernel's time (K = 3 at M = 24..32: 0.97-1.03x; H100, fifteenth session,
+  // docs/results/small_layers; K = 2 was not measured there and keeps the range kernel)
   const bool small = items_per_warp < 2;
-  const bool batch_mid = tiles >= sms && (M > 40 ? K != 5 || small : small && (K == 5 ? M <= 16 : M > 15));
+  const bool batch_mid = tiles >= sms && (M > 40 ? K != 5 || small : small && (K == 5 ? M <= 16 : K != 2 && M > 15));
   const bool batch = kernel == KBIT_TILED_BATCH ||
                      (kernel == KBIT_TILED_AUTO && M > 8 && !range_first && (tiles >= 2 * sms || batch_mid));
   if (batch) {

@@ -233,8 +233,8 @@ def _check_shapes(packed, absmax, scale, k, in_features):
 
 # KbitLinear tiles a weight of K bits with at least TILED_MIN_NUMEL[K] elements. Measured against the bit planes
 # (H100, fifteenth session, docs/results/small_layers): 4096 x 4096 tiled is 1.04-1.19x faster at M = 1..8 for K = 3,
-# 4 and 1.01-1.35x at every M = 1..64 for K = 5, K = 3 losing 5-13% at M = 9..32; K = 2 loses (0.93x at M = 1). K = 5
-# also gains on 2048 x 4096 and 3072 x 3072 (1.01-1.45x at M = 1..32); smaller layers, and K = 4 on 3072 x 3072
+# 4 and 1.00-1.42x at every M = 1..64 for K = 5, K = 3 losing 5-13% at M = 9..32; K = 2 loses (0.93x at M = 1). K = 5
+# also gains on 2048 x 4096 and 3072 x 3072 (1.01-1.49x at M = 1..32); smaller layers, and K = 4 on 3072 x 3072
 # (0.91x), keep the bit planes: a persistent kernel's start costs more than they take.
 TILED_MIN_NUMEL = {2: 4096 * 4096 + 1, 3: 4096 * 4096, 4: 4096 * 4096, 5: 2048 * 4096}
 _tiled_ok: dict[int, bool] = {}
