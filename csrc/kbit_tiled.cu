@@ -1046,12 +1046,12 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
 // or for K = 2 two items per bulk copy, measured slower or even, also on small layers). M = 9..64: the batched kernel
 // where the CTAs have tiles to give their warps (>= 2 per SM; a layer of 1..2 tiles per SM gains only at M > 40, and
 // for K = 5 not at all: 0.70-0.83x on 4096x14336, whose batched lookups conflict 2-way; except small layers, below):
-// up to 2.6x the range kernel there. But at M = 9..14 the range kernel (two token tiles) is faster on layers of many items per warp, the more
-// so the smaller K (its lookups are shared by both token tiles; 2026-11-23, H100, both forced on six shapes from
-// 6144x4096 to 128256x4096): K = 2 on every layer (0.79-0.99x the batched kernel's time), K = 3 from 12 items
-// per warp (0.85-0.99x), K = 4 from 24 (0.90-0.97x), K = 5 from 48 (0.94-1.00x); below those the batched kernel
-// was as fast or faster. Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their accumulators need
-// the registers), and launches of 32 tokens above. kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE /
+// up to 2.6x the range kernel there. But at M = 9..14 the range kernel (two token tiles) is faster on layers of many
+// items per warp, the more so the smaller K (its lookups are shared by both token tiles; 2026-11-23, H100, both
+// forced on six shapes from 6144x4096 to 128256x4096): K = 2 on every layer (0.79-0.99x the batched kernel's time),
+// K = 3 from 12 items per warp (0.85-0.99x), K = 4 from 24 (0.90-0.97x), K = 5 from 48 (0.94-1.00x); below those the
+// batched kernel was as fast or faster. Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their
+// accumulators need the registers), and launches of 32 tokens above. kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE /
 // KBIT_TILED_BATCH to force one (tests).
 template <typename T, int K>
 int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,

@@ -31,7 +31,8 @@ def main():
     ap.add_argument("--tiled-kernel", choices=("auto", "range", "batch"), default="auto",
                     help="force one tiled GEMV kernel (cuda_backend.tiled_kernel) to compare them at the same M")
     ap.add_argument("--tiled-min-numel", type=int, default=None,
-                    help="tile weights from this many elements on (cuda_backend.TILED_MIN_NUMEL; 0: every tileable shape)")
+                    help="tile weights from this many elements on, every K (cuda_backend.TILED_MIN_NUMEL; 0: every "
+                         "tileable shape)")
     ap.add_argument("--compare", nargs="+", default=None, help="print a side-by-side table of JSON files and exit")
     a = ap.parse_args()
     if a.compare:
