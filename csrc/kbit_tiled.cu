@@ -83,6 +83,29 @@ __host__ __device__ constexpr uint32_t ring_end(uint32_t nslots) {
   return nslots <= (TABLE - LOW) / SB ? TEND : ring_addr<TEND, SB>(nslots);
 }
 
+// The range kernel's boundary partials (its epilogue's input), [NW warps][2 sides][NT] x 512 bytes: below the
+// table after the ring where they fit (the ring's slots all there), else after the ring. Kept out of the space above
+// the table where possible: more shared memory leaves less L1 for the activations (a 32 KB region there cost up to
+// 15% at M = 32, sixteenth session).
+template <int NW, int NT>
+constexpr uint32_t range_partials_bytes() {
+  return NW * 2 * NT * 512;
+}
+template <int K, int NW, int S, int NT>
+constexpr uint32_t range_partials() {
+  constexpr uint32_t below = LOW + NW * S * Tiled<K>::ITEM;
+  return NW * S <= (TABLE - LOW) / Tiled<K>::ITEM && below + range_partials_bytes<NW, NT>() <= TABLE
+             ? below
+             : ring_end<table_end<K, true>(), Tiled<K>::ITEM>(NW * S);
+}
+// the end of the range kernel's shared window
+template <int K, int NW, int S, int NT>
+constexpr uint32_t range_smem_end() {
+  constexpr uint32_t ring = ring_end<table_end<K, true>(), Tiled<K>::ITEM>(NW * S);
+  constexpr uint32_t red = range_partials<K, NW, S, NT>() + range_partials_bytes<NW, NT>();
+  return ring > red ? ring : red;
+}
+
 __device__ __forceinline__ uint32_t lds_at(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
@@ -92,6 +115,24 @@ __device__ __forceinline__ uint4 lds128_at(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
+}
+__device__ __forceinline__ float4 lds_f4_at(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
+  return v;
+}
+// the four floats at addr where p, else zeros (the load is not issued)
+__device__ __forceinline__ float4 lds_f4_if(uint32_t addr, bool p) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+  asm volatile(
+      "{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n @q ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n}"
+      : "+f"(v.x), "+f"(v.y), "+f"(v.z), "+f"(v.w)
+      : "r"(addr), "r"((int)p));
+  return v;
+}
+__device__ __forceinline__ void sts128_at(uint32_t addr, const float (&v)[4]) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
+               : "memory");
 }
 __device__ __forceinline__ uint2 lds64_at(uint32_t addr) {
   uint2 v;
@@ -367,17 +408,24 @@ template <> struct TiledScales<__half> {
   }
 };
 
-// experiment builds only: a per-warp timeline of the range GEMV's last launch (kbit_tiled_timeline)
+// experiment builds only: a per-warp timeline of the range GEMV's last launch (kbit_tiled_timeline): stamps 0..5
+// %globaltimer ns (its resolution is 256 ns on the H100), 6 and 7 the SM's clock64 at the epilogue's start and end
 #ifdef KBIT_TILED_TIMELINE
-__device__ unsigned long long g_timeline[256 * 32 * 6];  // [CTA][warp][stamp], %globaltimer ns
-__device__ __forceinline__ void stamp(int lane, int warp, int i) {
+constexpr int TIMELINE_STAMPS = 8;
+__device__ unsigned long long g_timeline[256 * 32 * TIMELINE_STAMPS];  // [CTA][warp][stamp]
+__device__ __forceinline__ void stamp(int lane, int warp, int i, bool clock) {
   unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  if (lane == 0 && blockIdx.x < 256 && warp < 32) g_timeline[(blockIdx.x * 32 + warp) * 6 + i] = t;
+  if (clock)
+    t = clock64();
+  else
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  if (lane == 0 && blockIdx.x < 256 && warp < 32) g_timeline[(blockIdx.x * 32 + warp) * TIMELINE_STAMPS + i] = t;
 }
-#define KBIT_STAMP(i) stamp(lane, warp, i)
+#define KBIT_STAMP(i) stamp(lane, warp, i, false)
+#define KBIT_CLOCK_STAMP(i) stamp(lane, warp, i, true)
 #else
 #define KBIT_STAMP(i)
+#define KBIT_CLOCK_STAMP(i)
 #endif
 
 // one tile's 16 x 8 fragment of token tile nt (this lane's 4 values) times the tensor scale, plus bias, into y
@@ -420,9 +468,16 @@ struct TiledCta {
     warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
     cb_lane = __ldg(codebook + (lane & ((1 << K) - 1)));
     sc = __ldg(scale);
-    const int64_t T_ = out / 16;
-    t0 = T_ * blockIdx.x / gridDim.x;
-    t1 = T_ * (blockIdx.x + 1) / gridDim.x;
+    // the split in 32 bits where it fits: a 64-bit division is a subroutine of about 70 dependent instructions, on the
+    // way to the first bulk copy
+    const uint64_t T_ = (uint64_t)out / 16, lo = T_ * blockIdx.x, hi = T_ * (blockIdx.x + 1);
+    if (hi >> 32 == 0) {
+      t0 = (uint32_t)lo / gridDim.x;
+      t1 = (uint32_t)hi / gridDim.x;
+    } else {
+      t0 = (int64_t)(lo / gridDim.x);
+      t1 = (int64_t)(hi / gridDim.x);
+    }
   }
 };
 
@@ -440,13 +495,13 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   __trap();  // sm_90 only: the launcher refuses other devices
 #endif
   extern __shared__ __align__(128) unsigned char smem[];
-  static_assert(BARS + NW * S * 8 <= LOW && NW * 2 * NT * 512 <= 0x10000, "shared-memory map");
+  static_assert(BARS + NW * S * 8 <= LOW, "shared-memory map");
   using L = Tiled<K>;
-  constexpr uint32_t TEND = table_end<K, true>();
+  constexpr uint32_t TEND = table_end<K, true>(), RED = range_partials<K, NW, S, NT>();
   // Start-up, each wait a round trip to L2, overlapped: this lane's codebook entry and the tensor scale are loaded
   // first (TiledCta), then the ring's first fetches are issued and the first item's activations prefetched into L1,
   // then the table is built.
-  const TiledCta<K> cta(smem, ring_end<TEND, L::ITEM>(NW * S), codebook, scale, out);
+  const TiledCta<K> cta(smem, range_smem_end<K, NW, S, NT>(), codebook, scale, out);
   unsigned char* win = cta.win;
   const int lane = cta.lane, warp = cta.warp, g = lane >> 2, q = lane & 3;
   const float sc = cta.sc;
@@ -473,8 +528,8 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   uint32_t xo[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) xo[nt] = (uint32_t)min(8 * nt + g, M - 1) * (uint32_t)(in / 8) + q;
-  // tile boundaries of this warp's range: the first tile's partial waits in accf until every warp is done
-  const int tf = u0 < u1 ? u0 / IPT : -1, tl = u0 < u1 ? (u1 - 1) / IPT : -1;
+  // the first tile of this warp's range (its partial sums wait in shared memory until every warp is done)
+  const int tf = u0 < u1 ? u0 / IPT : -1;
   if (u0 < u1) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -488,23 +543,25 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   __syncthreads();
   KBIT_STAMP(1);
   const uint32_t cl = table_lane<K, true>(lane);
-  float acc[NT][4], accf[NT][4];
+  // The partial sums of the first and last tile of each warp's range, for the epilogue: warp w2's at [w2][side][nt],
+  // side 0 its first tile's, side 1 its last tile's; 16 bytes per lane, so one vector store and load each.
+  auto red_at = [&](int w2, int side, int nt) { return RED + (((w2 * 2 + side) * NT + nt) * 32 + lane) * 16u; };
+  float acc[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[nt][i] = accf[nt][i] = 0.f;
+    for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
   // the walk: tile cur, item v inside it; ring slot s with its mbarrier phase; the next item to fetch
   int cur = tf, v = u0 - tf * IPT, unext = u0 + S;
   uint32_t s = 0, phase = 0;
   const uint8_t* wnext = wsrc + (int64_t)unext * L::ITEM_W;
   const uint8_t* anext = asrc + (int64_t)unext * ITEM_A;
   for (int u = u0; u < u1; ++u, ++v) {
-    if (v == IPT) {  // the previous tile is done: keep the first one, store a middle one
+    if (v == IPT) {  // the previous tile is done: keep the first one for the epilogue, store a middle one
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         if (cur == tf) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) accf[nt][i] = acc[nt][i];
+          sts128_at(red_at(warp, 0, nt), acc[nt]);
         } else {
           store_tile<T>(y, bias, out, M, t0 + cur, nt, lane, sc, acc[nt], TiledScales<T>::SUM_POST);
         }
@@ -581,63 +638,48 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
     }
   }
   KBIT_STAMP(3);
-  if (u0 < u1 && cur == tf) {  // a range inside one tile: its only tile is its first
+  // The last tile's partial: side 1, or side 0 when the range lies in one tile. A warp without items writes zeros
+  // at side 0 (cur == tf == -1), so the warps adding to a tile are a contiguous run.
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) accf[nt][i] = acc[nt][i];
-  }
-  __syncthreads();  // every lookup is done: the table's space takes the boundary partials
-  auto red_at = [&](int w2, int side, int nt, int i) {
-    return reinterpret_cast<float*>(win + TABLE + ((((w2 * 2 + side) * NT + nt) * 32 + lane) * 4 + i) * 4);
-  };
-  if (u0 < u1) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        *red_at(warp, 0, nt, i) = accf[nt][i];
-        *red_at(warp, 1, nt, i) = acc[nt][i];
-      }
-  }
+  for (int nt = 0; nt < NT; ++nt) sts128_at(red_at(warp, cur == tf ? 0 : 1, nt), acc[nt]);
   __syncthreads();
   KBIT_STAMP(4);
-  // boundary tiles: warp w stores the tiles it is the first warp to touch (its first tile unless an earlier warp's
-  // range ends in it, and its last tile when that is not its first), summed over the warps touching them in warp
-  // order; a later warp can touch such a tile only as its first tile. Tile t holds items [t IPT, (t + 1) IPT): the
-  // tests below compare item indices with those bounds, no divisions (this epilogue is one warp's dependent chain;
-  // with a 64-bit division per warp visited it took 1-3 us at the end of small layers, per-warp timeline).
-  if (u0 >= u1) return;
+  KBIT_CLOCK_STAMP(6);
+  // Boundary tiles: the warp whose range holds a tile's first item stores it (its first tile if its range starts
+  // there, and its last tile when that is not its first), adding the first-tile partials of the later warps whose
+  // ranges start inside the tile, in warp order: deterministic, no atomics. This runs once, after the loop, on the
+  // critical path of the last CTAs, so it is kept short: no loops over warps to find the run (lane l holds warp l's
+  // first item, a ballot counts the run) and one vector load per partial (per-warp timeline, sixteenth session:
+  // the loops of the earlier version took 1300-2300 cycles at the end of 4096x4096 and 14336x4096).
+  if (u0 >= u1 || (u0 != tf * IPT && cur == tf)) {  // no items, or no tile whose first item is in the range
+    KBIT_CLOCK_STAMP(7);
+    KBIT_STAMP(5);
+    return;
+  }
+  const int rb_lane = range_begin(lane < NW ? lane : NW);  // warp lane's first item (lane NW: the CTA's end)
+#pragma unroll 1
   for (int side = 0; side < 2; ++side) {
-    const int t = side ? tl : tf;
-    if (side == 1 && tl == tf) break;
-    if (side == 0) {
-      bool earlier = false;  // the nearest earlier warp with items ends inside tile t
-      for (int w2 = warp - 1; w2 >= 0; --w2) {
-        const int b0 = range_begin(w2), b1 = range_begin(w2 + 1);
-        if (b0 < b1) {
-          earlier = b1 > t * IPT;
-          break;
-        }
-      }
-      if (earlier) continue;
-    }
-    // the later warps whose ranges start inside tile t: [warp + 1, wend), those with items
-    int wend = warp + 1;
-    while (wend < NW && range_begin(wend) < (t + 1) * IPT) ++wend;
+    const int t = side ? cur : tf;  // cur: the range's last tile
+    if (side == 1 && cur == tf) break;
+    if (side == 0 && u0 != tf * IPT) continue;  // an earlier warp's range holds the tile's first item
+    const int nlater = __popc(__ballot_sync(0xFFFFFFFFu, lane > warp && lane < NW && rb_lane < (t + 1) * IPT));
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      float vv[4];
+      float4 v = lds_f4_at(red_at(warp, side, nt));
+      // straight-line code, the loads predicated (zeros past the run): no loop to branch through at the end
 #pragma unroll
-      for (int i = 0; i < 4; ++i) vv[i] = *red_at(warp, side, nt, i);
-      for (int w2 = warp + 1; w2 < wend; ++w2) {
-        if (range_begin(w2) == range_begin(w2 + 1)) continue;  // no items, no partial
-#pragma unroll
-        for (int i = 0; i < 4; ++i) vv[i] += *red_at(w2, 0, nt, i);
+      for (int j = 1; j < NW; ++j) {
+        const float4 p = lds_f4_if(red_at(warp, 0, nt) + j * (2 * NT * 512), j <= nlater);
+        v.x += p.x;
+        v.y += p.y;
+        v.z += p.z;
+        v.w += p.w;
       }
+      const float vv[4] = {v.x, v.y, v.z, v.w};
       store_tile<T>(y, bias, out, M, t0 + t, nt, lane, sc, vv, TiledScales<T>::SUM_POST);
     }
   }
+  KBIT_CLOCK_STAMP(7);
   KBIT_STAMP(5);
 }
 
@@ -1012,7 +1054,7 @@ template <typename T, int K, int NW, int S, int NT>
 int gemv_tiled_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                   const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
   static bool attr_set[64] = {};  // current_device_sms: dev < 64
-  const int dyn = (int)ring_end<table_end<K, true>(), Tiled<K>::ITEM>(NW * S);
+  const int dyn = (int)range_smem_end<K, NW, S, NT>();
   if (!attr_set[dev]) {
     const cudaError_t e = cudaFuncSetAttribute(gemv_tiled_kernel<T, K, NW, S, NT>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
@@ -1151,7 +1193,7 @@ KBIT_API int kbit_dequantize_tiled(const void* wt, const void* at, const float* 
 
 #ifdef KBIT_TILED_TIMELINE
 KBIT_API int kbit_tiled_timeline(unsigned long long* host, int n) {
-  const int count = n < 256 * 32 * 6 ? n : 256 * 32 * 6;
+  const int count = n < 256 * 32 * TIMELINE_STAMPS ? n : 256 * 32 * TIMELINE_STAMPS;
   return (int)cudaMemcpyFromSymbol(host, g_timeline, sizeof(unsigned long long) * count);
 }
 #endif
