@@ -1105,12 +1105,18 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
   const int64_t tiles = out / 16;
   const int64_t items_per_warp = tiles * (in / 256) / (16 * (int64_t)sms);
   const bool range_first = M <= 14 && items_per_warp >= (K == 2 ? 0 : K == 3 ? 12 : K == 4 ? 24 : 48);
-  // 1..2 tiles per SM: the batched kernel from M = 41 (K != 5) on layers of many items per warp (4096x14336), and on
-  // small ones (< 2 items per warp: 4096x4096, 3072x3072) also at M = 16..40 (K = 3, 4) and M = 9..16 and 41..64 (K =
-  // 5), where it measured 0.69-0.99x the range kernel's time (K = 3 at M = 24..32: 0.97-1.03x; H100, fifteenth session,
-  // docs/results/small_layers; K = 2 was not measured there and keeps the range kernel)
+  // 1..2 tiles per SM: the batched kernel from M = 41 (K != 5) on layers of many items per warp (4096x14336). On small
+  // ones (< 2 items per warp: 4096x4096, 3072x3072) also at M > 32 for K = 3, M = 16..40 for K = 4 and M = 16 for K = 5
+  // (H100, sixteenth session, docs/results/short_epilogue/run7-9: both kernels forced, then the rules against each
+  // other, with the range kernel's short epilogue): for K = 3 the range kernel was 1.03-1.08x faster at M = 16..32,
+  // the batched kernel 1.09x at 40; for K = 4 the two were within 0.98-1.04x at M = 16..32, the batched kernel ahead
+  // in most points; for K = 5 the range kernel was 1.03-1.16x faster at M = 9..15 and 1.06-1.14x at 36..40 on
+  // 4096x4096 (0.97-1.05x on 3072x3072), the batched kernel 1.02-1.14x at M = 16. K = 2 was not measured there and
+  // keeps the range kernel.
   const bool small = items_per_warp < 2;
-  const bool batch_mid = tiles >= sms && (M > 40 ? K != 5 || small : small && (K == 5 ? M <= 16 : K != 2 && M > 15));
+  const bool batch_mid =
+      tiles >= sms &&
+      (M > 40 ? K != 5 || small : small && (K == 3 ? M > 32 : K == 4 ? M > 15 : K == 5 && M == 16));
   const bool batch = kernel == KBIT_TILED_BATCH ||
                      (kernel == KBIT_TILED_AUTO && M > 8 && !range_first && (tiles >= 2 * sms || batch_mid));
   if (batch) {
