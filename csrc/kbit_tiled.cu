@@ -24,9 +24,9 @@
 // lookup (K = 2: an 8-byte lookup gives two A registers; 2 of each item's 8 blocks are decoded by PRMTs from the
 // codebook in registers instead, which takes load off the shared-memory pipe that binds K = 2. K = 3: a fourth of the
 // pairs are gathered first; K = 5's table is 128 KB, the pair's high bits adding address bits: lookup_block). NT tiles
-// of 8 tokens share each looked-up A operand. Tiles inside a warp's range are stored by that warp; the first and last
-// tile of each range go through shared memory (the table's space, after the loop) and are summed in warp order:
-// deterministic, no atomics.
+// of 8 tokens share each looked-up A operand. Tiles inside a warp's range are stored by that warp; the partial sums of
+// the first and last tile of each range go through a shared region of their own (range_partials) and are summed in
+// warp order after the loop: deterministic, no atomics.
 // The batched GEMV (gemv_tiled_batch_kernel, M = 9..64 on layers of many tiles) has its own comment below.
 #include "kbit_api.h"
 #include "kbit_common.cuh"
@@ -42,8 +42,7 @@ namespace {
 constexpr uint32_t BARS = 0x1000;    // NW * S mbarriers
 constexpr uint32_t LOW = 0x1400;     // the first ring slots, below the table
 constexpr uint32_t TABLE = 0x10000;  // the pair table (256 rows of 256 bytes, K = 3, 4 use 128 of each; K = 5 in the
-                                     // range kernel: two such windows); after the main loop, the boundary partials
-                                     // [NW][2][NT][32 lanes][4] floats
+                                     // range kernel: two such windows)
 constexpr uint32_t ITEM_A = 128;     // block-scale bytes of an item (16 rows x 256 elements)
 // Per-K sizes of the layout: per (tile, chunk) each lane holds 8 K bytes (K = 2, 4: 2 K per block; K = 3: 12 per two
 // blocks; K = 5: K = 4's 32 bytes of low nibbles, then 8 bytes of high bits); an item (2 chunks) is 512 K bytes of
@@ -495,7 +494,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   __trap();  // sm_90 only: the launcher refuses other devices
 #endif
   extern __shared__ __align__(128) unsigned char smem[];
-  static_assert(BARS + NW * S * 8 <= LOW, "shared-memory map");
+  static_assert(BARS + NW * S * 8 <= LOW && range_smem_end<K, NW, S, NT>() <= 227 * 1024, "shared-memory map");
   using L = Tiled<K>;
   constexpr uint32_t TEND = table_end<K, true>(), RED = range_partials<K, NW, S, NT>();
   // Start-up, each wait a round trip to L2, overlapped: this lane's codebook entry and the tensor scale are loaded
@@ -665,17 +664,17 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
     const int nlater = __popc(__ballot_sync(0xFFFFFFFFu, lane > warp && lane < NW && rb_lane < (t + 1) * IPT));
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      float4 v = lds_f4_at(red_at(warp, side, nt));
+      float4 sum = lds_f4_at(red_at(warp, side, nt));
       // straight-line code, the loads predicated (zeros past the run): no loop to branch through at the end
 #pragma unroll
       for (int j = 1; j < NW; ++j) {
         const float4 p = lds_f4_if(red_at(warp, 0, nt) + j * (2 * NT * 512), j <= nlater);
-        v.x += p.x;
-        v.y += p.y;
-        v.z += p.z;
-        v.w += p.w;
+        sum.x += p.x;
+        sum.y += p.y;
+        sum.z += p.z;
+        sum.w += p.w;
       }
-      const float vv[4] = {v.x, v.y, v.z, v.w};
+      const float vv[4] = {sum.x, sum.y, sum.z, sum.w};
       store_tile<T>(y, bias, out, M, t0 + t, nt, lane, sc, vv, TiledScales<T>::SUM_POST);
     }
   }
@@ -1108,11 +1107,11 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
   // 1..2 tiles per SM: the batched kernel from M = 41 (K != 5) on layers of many items per warp (4096x14336). On small
   // ones (< 2 items per warp: 4096x4096, 3072x3072) also at M > 32 for K = 3, M = 16..40 for K = 4 and M = 16 for K = 5
   // (H100, sixteenth session, docs/results/short_epilogue/run7-9: both kernels forced, then the rules against each
-  // other, with the range kernel's short epilogue): for K = 3 the range kernel was 1.03-1.08x faster at M = 16..32,
-  // the batched kernel 1.09x at 40; for K = 4 the two were within 0.98-1.04x at M = 16..32, the batched kernel ahead
-  // in most points; for K = 5 the range kernel was 1.03-1.16x faster at M = 9..15 and 1.06-1.14x at 36..40 on
-  // 4096x4096 (0.97-1.05x on 3072x3072), the batched kernel 1.02-1.14x at M = 16. K = 2 was not measured there and
-  // keeps the range kernel.
+  // other, with the range kernel's short epilogue). K = 3: the range kernel 1.03-1.08x faster at M = 16..32, the
+  // batched kernel 1.09x at 40. K = 4: the two within 0.98-1.04x of each other at M = 16..32 (the batched kernel
+  // kept). K = 5 on 4096x4096: the range kernel 1.04-1.16x faster at M = 9..15 and 1.06-1.14x at 36..40, the batched
+  // kernel 1.02x at M = 16; on 3072x3072 the two within 0.95-1.05x, except the batched kernel 1.14x at M = 16. K = 2
+  // was not measured there and keeps the range kernel.
   const bool small = items_per_warp < 2;
   const bool batch_mid =
       tiles >= sms &&
