@@ -82,20 +82,19 @@ __host__ __device__ constexpr uint32_t ring_end(uint32_t nslots) {
   return nslots <= (TABLE - LOW) / SB ? TEND : ring_addr<TEND, SB>(nslots);
 }
 
-// The range kernel's boundary partials (its epilogue's input), [NW warps][2 sides][NT] x 512 bytes: below the
-// table after the ring where they fit (the ring's slots all there), else after the ring. Kept out of the space above
-// the table where possible: more shared memory leaves less L1 for the activations (a 32 KB region there cost up to
-// 15% at M = 32, sixteenth session).
+// The range kernel's boundary partials (its epilogue's input), [NW warps][2 sides][NT] x 512 bytes: right after the
+// ring (where a slot past the last would go), unless that is below the table and the region would run into it; then
+// after the ring's end. Kept out of the space above the table where possible: more shared memory leaves less L1 for
+// the activations (a 32 KB region there cost up to 15% at M = 32, sixteenth session).
 template <int NW, int NT>
 constexpr uint32_t range_partials_bytes() {
   return NW * 2 * NT * 512;
 }
 template <int K, int NW, int S, int NT>
 constexpr uint32_t range_partials() {
-  constexpr uint32_t below = LOW + NW * S * Tiled<K>::ITEM;
-  return NW * S <= (TABLE - LOW) / Tiled<K>::ITEM && below + range_partials_bytes<NW, NT>() <= TABLE
-             ? below
-             : ring_end<table_end<K, true>(), Tiled<K>::ITEM>(NW * S);
+  constexpr uint32_t TEND = table_end<K, true>(), after = ring_addr<TEND, Tiled<K>::ITEM>(NW * S);
+  return after >= TABLE || after + range_partials_bytes<NW, NT>() <= TABLE ? after
+                                                                            : ring_end<TEND, Tiled<K>::ITEM>(NW * S);
 }
 // the end of the range kernel's shared window
 template <int K, int NW, int S, int NT>
@@ -113,11 +112,6 @@ __device__ __forceinline__ uint32_t lds_at(uint32_t addr) {
 __device__ __forceinline__ uint4 lds128_at(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ float4 lds_f4_at(uint32_t addr) {
-  float4 v;
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
   return v;
 }
 // the four floats at addr where p, else zeros (the load is not issued)
@@ -665,7 +659,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
     const int nlater = __popc(__ballot_sync(0xFFFFFFFFu, lane > warp && lane < NW && rb_lane < (t + 1) * IPT));
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      float4 sum = lds_f4_at(red_at(warp, side, nt));
+      float4 sum = lds_f4_if(red_at(warp, side, nt), true);
       // straight-line code, the loads predicated (zeros past the run): no loop to branch through at the end
 #pragma unroll
       for (int j = 1; j < NW; ++j) {
