@@ -402,9 +402,11 @@ template <> struct TiledScales<__half> {
 };
 
 // experiment builds only: a per-warp timeline of the range GEMV's last launch (kbit_tiled_timeline): stamps 0..5
-// %globaltimer ns (its resolution is 256 ns on the H100), 6 and 7 the SM's clock64 at the epilogue's start and end
+// %globaltimer ns (its resolution is 256 ns on the H100), 6 and 7 the SM's clock64 at the epilogue's start and end,
+// 8..10 inside the storing warp's epilogue (its last tile's): the clock once the run is counted, once the partials are
+// summed, after the stores are issued (each read waits for the value it names)
 #ifdef KBIT_TILED_TIMELINE
-constexpr int TIMELINE_STAMPS = 8;
+constexpr int TIMELINE_STAMPS = 11;
 __device__ unsigned long long g_timeline[256 * 32 * TIMELINE_STAMPS];  // [CTA][warp][stamp]
 __device__ __forceinline__ void stamp(int lane, int warp, int i, bool clock) {
   unsigned long long t;
@@ -414,11 +416,18 @@ __device__ __forceinline__ void stamp(int lane, int warp, int i, bool clock) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   if (lane == 0 && blockIdx.x < 256 && warp < 32) g_timeline[(blockIdx.x * 32 + warp) * TIMELINE_STAMPS + i] = t;
 }
+__device__ __forceinline__ void stamp_after(int lane, int warp, int i, uint32_t dep) {
+  unsigned long long t;
+  asm volatile("{\n .reg .u32 d;\n mov.u32 d, %1;\n mov.u64 %0, %%clock64;\n}" : "=l"(t) : "r"(dep));
+  if (lane == 0 && blockIdx.x < 256 && warp < 32) g_timeline[(blockIdx.x * 32 + warp) * TIMELINE_STAMPS + i] = t;
+}
 #define KBIT_STAMP(i) stamp(lane, warp, i, false)
 #define KBIT_CLOCK_STAMP(i) stamp(lane, warp, i, true)
+#define KBIT_CLOCK_STAMP_AFTER(i, dep) stamp_after(lane, warp, i, dep)
 #else
 #define KBIT_STAMP(i)
 #define KBIT_CLOCK_STAMP(i)
+#define KBIT_CLOCK_STAMP_AFTER(i, dep)
 #endif
 
 // one tile's 16 x 8 fragment of token tile nt (this lane's 4 values) times the tensor scale, plus bias, into y
@@ -657,6 +666,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
     if (side == 1 && cur == tf) break;
     if (side == 0 && u0 != tf * IPT) continue;  // an earlier warp's range holds the tile's first item
     const int nlater = __popc(__ballot_sync(0xFFFFFFFFu, lane > warp && lane < NW && rb_lane < (t + 1) * IPT));
+    KBIT_CLOCK_STAMP_AFTER(8, (uint32_t)nlater);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       float4 sum = lds_f4_if(red_at(warp, side, nt), true);
@@ -670,7 +680,9 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
         sum.w += p.w;
       }
       const float vv[4] = {sum.x, sum.y, sum.z, sum.w};
+      KBIT_CLOCK_STAMP_AFTER(9, __float_as_uint(sum.x + sum.y + sum.z + sum.w));
       store_tile<T>(y, bias, out, M, t0 + t, nt, lane, sc, vv, TiledScales<T>::SUM_POST);
+      KBIT_CLOCK_STAMP(10);
     }
   }
   KBIT_CLOCK_STAMP(7);
