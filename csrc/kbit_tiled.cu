@@ -408,18 +408,21 @@ template <> struct TiledScales<__half> {
 #ifdef KBIT_TILED_TIMELINE
 constexpr int TIMELINE_STAMPS = 11;
 __device__ unsigned long long g_timeline[256 * 32 * TIMELINE_STAMPS];  // [CTA][warp][stamp]
+__device__ __forceinline__ void record_stamp(int lane, int warp, int i, unsigned long long t) {
+  if (lane == 0 && blockIdx.x < 256 && warp < 32) g_timeline[(blockIdx.x * 32 + warp) * TIMELINE_STAMPS + i] = t;
+}
 __device__ __forceinline__ void stamp(int lane, int warp, int i, bool clock) {
   unsigned long long t;
   if (clock)
     t = clock64();
   else
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  if (lane == 0 && blockIdx.x < 256 && warp < 32) g_timeline[(blockIdx.x * 32 + warp) * TIMELINE_STAMPS + i] = t;
+  record_stamp(lane, warp, i, t);
 }
 __device__ __forceinline__ void stamp_after(int lane, int warp, int i, uint32_t dep) {
   unsigned long long t;
   asm volatile("{\n .reg .u32 d;\n mov.u32 d, %1;\n mov.u64 %0, %%clock64;\n}" : "=l"(t) : "r"(dep));
-  if (lane == 0 && blockIdx.x < 256 && warp < 32) g_timeline[(blockIdx.x * 32 + warp) * TIMELINE_STAMPS + i] = t;
+  record_stamp(lane, warp, i, t);
 }
 #define KBIT_STAMP(i) stamp(lane, warp, i, false)
 #define KBIT_CLOCK_STAMP(i) stamp(lane, warp, i, true)
@@ -673,7 +676,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       // straight-line code, the loads predicated (zeros past the run): no loop to branch through at the end
 #pragma unroll
       for (int j = 1; j < NW; ++j) {
-        const float4 p = lds_f4_if(red_at(warp, 0, nt) + j * (2 * NT * 512), j <= nlater);
+        const float4 p = lds_f4_if(red_at(warp, 0, nt) + j * (2 * NT * 512), j <= nlater);  // = red_at(warp + j, 0, nt)
         sum.x += p.x;
         sum.y += p.y;
         sum.z += p.z;
