@@ -26,12 +26,15 @@
 // pairs are gathered first; K = 5's table is 128 KB, the pair's high bits adding address bits: lookup_block). NT tiles
 // of 8 tokens share each looked-up A operand. Tiles inside a warp's range are stored by that warp; the partial sums of
 // the first and last tile of each range go through a shared region of their own (range_partials) and are summed in
-// warp order after the loop: deterministic, no atomics.
+// warp order after the loop: deterministic, no atomics. Both GEMVs are launched with programmatic dependent launch
+// (launch_gemv, pdl_wait): a GEMV starts as the kernel before it drains, reading no memory until that kernel is done;
+// the range kernel meanwhile asks its first items into L2.
 // The batched GEMV (gemv_tiled_batch_kernel, M = 9..64 on layers of many tiles) has its own comment below.
 #include "kbit_api.h"
 #include "kbit_common.cuh"
 
 #include <cuda_runtime.h>
+#include <cstdlib>
 #include <type_traits>
 
 using namespace kbit;
@@ -353,12 +356,36 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 #endif
 }
+// Programmatic dependent launch (launch_gemv, KBIT_PDL): the GEMVs are launched so that they may start while the
+// kernel before them on the stream drains. Before pdl_wait a GEMV reads no memory, since that kernel may be writing
+// any of it (even the weights, as the tile kernel does): it sets up shared memory and asks bytes into L2 (a prefetch
+// cannot return stale data). pdl_launch_dependents lets the next GEMV be scheduled: its CTAs take an SM as this
+// kernel's CTA there exits (a CTA fills the SM's shared memory), so its start overlaps this kernel's tail. Without the
+// launch attribute both are no-ops.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if KBIT_SM90
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if KBIT_SM90
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 // one item (weights, then scales) into a ring slot, completing on its mbarrier (one lane)
 template <int K>
 __device__ __forceinline__ void fetch_item(uint32_t slot, const uint8_t* w, const uint8_t* a, uint32_t bar) {
   mbar_expect_tx(bar, Tiled<K>::ITEM);
   bulk_copy(slot, w, Tiled<K>::ITEM_W, bar);
   bulk_copy(slot + Tiled<K>::ITEM_W, a, ITEM_A, bar);
+}
+// the same item's bytes asked into L2 only (one lane)
+template <int K>
+__device__ __forceinline__ void prefetch_item_l2(const uint8_t* w, const uint8_t* a) {
+#if KBIT_SM90
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w), "r"(Tiled<K>::ITEM_W) : "memory");
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(ITEM_A) : "memory");
+#endif
 }
 // 16 bytes global -> shared (cp.async, L2 only)
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
@@ -453,17 +480,14 @@ __device__ __forceinline__ void store_tile(T* y, const T* bias, int64_t out, int
 
 // What both tiled GEMVs start from: the shared window (win + window address = generic pointer; the dynamic shared
 // memory must start at or below BARS and reach end), the lane and the warp index (through a shuffle: the compiler then
-// knows it is warp-uniform and keeps the bulk-copy operands in uniform registers, no per-lane loop around each copy),
-// this lane's codebook entry (the pair table is built from it by shuffles), the tensor scale, and the CTA's tiles
-// [t0, t1) (an even split of the tiles over the grid). The loads are issued here and waited for where used.
-template <int K>
+// knows it is warp-uniform and keeps the bulk-copy operands in uniform registers, no per-lane loop around each copy)
+// and the CTA's tiles [t0, t1) (an even split of the tiles over the grid). No memory is read: this runs before
+// pdl_wait.
 struct TiledCta {
   unsigned char* win;
   int lane, warp;
-  float cb_lane, sc;
   int64_t t0, t1;
-  __device__ __forceinline__ TiledCta(unsigned char* smem, uint32_t end, const float* codebook, const float* scale,
-                                      int64_t out) {
+  __device__ __forceinline__ TiledCta(unsigned char* smem, uint32_t end, int64_t out) {
     const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
     win = smem - base;
     uint32_t dsz;
@@ -471,8 +495,6 @@ struct TiledCta {
     if (base > BARS || base + dsz < end) __trap();
     lane = threadIdx.x & 31;
     warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
-    cb_lane = __ldg(codebook + (lane & ((1 << K) - 1)));
-    sc = __ldg(scale);
     // the split in 32 bits where it fits: a 64-bit division is a subroutine of about 70 dependent instructions, on the
     // way to the first bulk copy
     const uint64_t T_ = (uint64_t)out / 16, lo = T_ * blockIdx.x, hi = T_ * (blockIdx.x + 1);
@@ -503,13 +525,15 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   static_assert(BARS + NW * S * 8 <= LOW && range_smem_end<K, NW, S, NT>() <= 227 * 1024, "shared-memory map");
   using L = Tiled<K>;
   constexpr uint32_t TEND = table_end<K, true>(), RED = range_partials<K, NW, S, NT>();
-  // Start-up, each wait a round trip to L2, overlapped: this lane's codebook entry and the tensor scale are loaded
-  // first (TiledCta), then the ring's first fetches are issued and the first item's activations prefetched into L1,
-  // then the table is built.
-  const TiledCta<K> cta(smem, range_smem_end<K, NW, S, NT>(), codebook, scale, out);
+  // Start-up. Before pdl_wait (the kernel before may still run): the mbarriers, and the first items of each warp's
+  // range asked into L2 (a prefetch cannot return stale data; a bulk copy into shared memory could, were the kernel
+  // before writing them). Then, each wait a round trip overlapped: this lane's codebook entry and the tensor scale,
+  // the ring's first fetches (from L2 by now, unless nothing ran before), the first item's activations into L1, the
+  // table.
+  pdl_launch_dependents();
+  const TiledCta cta(smem, range_smem_end<K, NW, S, NT>(), out);
   unsigned char* win = cta.win;
   const int lane = cta.lane, warp = cta.warp, g = lane >> 2, q = lane & 3;
-  const float sc = cta.sc;
   const int64_t t0 = cta.t0, t1 = cta.t1;
   KBIT_STAMP(0);
   const int IPT = in / 256;  // items per tile
@@ -522,6 +546,13 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   const uint32_t wbar = BARS + warp * S * 8;
   if (lane == 0) {
     for (int s = 0; s < S; ++s) mbar_init(wbar + 8 * s, 1);
+    for (int s = 0; s < S && u0 + s < u1; ++s)
+      prefetch_item_l2<K>(wsrc + (int64_t)(u0 + s) * L::ITEM_W, asrc + (int64_t)(u0 + s) * ITEM_A);
+  }
+  pdl_wait();
+  const float cb_lane = __ldg(codebook + (lane & ((1 << K) - 1)));
+  const float sc = __ldg(scale);
+  if (lane == 0) {
     for (int s = 0; s < S && u0 + s < u1; ++s)
       fetch_item<K>(ring_addr<TEND, L::ITEM>(warp * S + s), wsrc + (int64_t)(u0 + s) * L::ITEM_W,
                     asrc + (int64_t)(u0 + s) * ITEM_A, wbar + 8 * s);
@@ -542,9 +573,9 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       for (int kb = 0; kb < 8; ++kb)
         asm volatile("prefetch.global.L1 [%0];" ::"l"(x16 + xo[nt] + 32u * (u0 - tf * IPT) + 4 * kb));
   }
-  build_pair_table<T, K, true, NW * 32>(win, cta.cb_lane, TiledScales<T>::SUM_TABLE);
+  build_pair_table<T, K, true, NW * 32>(win, cb_lane, TiledScales<T>::SUM_TABLE);
   K2Regs cr{0u, 0u};
-  if constexpr (K == 2) cr = k2_regs<T>(cta.cb_lane, TiledScales<T>::SUM_TABLE);
+  if constexpr (K == 2) cr = k2_regs<T>(cb_lane, TiledScales<T>::SUM_TABLE);
   __syncthreads();
   KBIT_STAMP(1);
   const uint32_t cl = table_lane<K, true>(lane);
@@ -719,10 +750,10 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
   static_assert(BARS + 16 * XS <= LOW, "shared-memory map");
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr uint32_t TEND = table_end<K, false>();
-  const TiledCta<K> cta(smem, ring_end<TEND, STAGE>(XS), codebook, scale, out);
+  pdl_launch_dependents();
+  const TiledCta cta(smem, ring_end<TEND, STAGE>(XS), out);
   unsigned char* win = cta.win;
   const int lane = cta.lane, warp = cta.warp, g = lane >> 2, q = lane & 3;
-  const float sc = cta.sc;
   const int64_t t0 = cta.t0, t1 = cta.t1;
   const int IPT = in / 256;
   const int ntc = (int)(t1 - t0), rounds = (ntc + NW - 1) / NW;
@@ -732,7 +763,10 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
       mbar_init(EMPTY + 8 * s, NW);
     }
   }
-  build_pair_table<T, K, false, (NW + 1) * 32>(win, cta.cb_lane, TiledScales<T>::A_TABLE);
+  pdl_wait();  // every load below: the kernel before has finished
+  const float sc = __ldg(scale);
+  build_pair_table<T, K, false, (NW + 1) * 32>(win, __ldg(codebook + (lane & ((1 << K) - 1))),
+                                               TiledScales<T>::A_TABLE);
   __syncthreads();
   const int steps = rounds * IPT;
   if (warp == NW) {  // the producer
@@ -1058,6 +1092,28 @@ bool tiled_shape(int64_t out, int64_t in) {
   return out > 0 && in > 0 && out % 16 == 0 && in % 256 == 0 && in < (1 << 30);
 }
 
+// Launches a tiled GEMV with programmatic stream serialization (pdl_wait above), unless KBIT_PDL=0: it may then start
+// while the kernel before it drains. Both GEMVs are persistent, one CTA per SM, so an early start only takes SMs that
+// the kernel before has left.
+template <typename Kernel, typename... Args>
+int launch_gemv(Kernel kernel, unsigned grid, unsigned threads, int dyn, cudaStream_t st, Args... args) {
+  static const bool pdl = [] {
+    const char* v = getenv("KBIT_PDL");
+    return v == nullptr || v[0] != '0';
+  }();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = (size_t)dyn;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return (int)cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
 // One instantiation's launch (its dynamic shared-memory limit is raised once per device).
 template <typename T, int K, int NW, int S, int NT>
 int gemv_tiled_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
@@ -1070,9 +1126,8 @@ int gemv_tiled_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const
     if (e != cudaSuccess) return (int)e;
     attr_set[dev] = true;
   }
-  gemv_tiled_kernel<T, K, NW, S, NT><<<(unsigned)sms, NW * 32, dyn, st>>>(x, M, wt, at, scale, cb, bias, out, (int)in,
-                                                                          y);
-  return (int)cudaGetLastError();
+  return launch_gemv(gemv_tiled_kernel<T, K, NW, S, NT>, (unsigned)sms, NW * 32, dyn, st, x, M, wt, at, scale, cb, bias,
+                     out, (int)in, y);
 }
 
 // The batched kernel's launch: NW consumer warps and a producer warp, XS stages.
@@ -1087,9 +1142,8 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
     if (e != cudaSuccess) return (int)e;
     attr_set[dev] = true;
   }
-  gemv_tiled_batch_kernel<T, K, NW, XS, NT><<<(unsigned)sms, (NW + 1) * 32, dyn, st>>>(x, M, wt, at, scale, cb, bias,
-                                                                                     out, (int)in, y);
-  return (int)cudaGetLastError();
+  return launch_gemv(gemv_tiled_batch_kernel<T, K, NW, XS, NT>, (unsigned)sms, (NW + 1) * 32, dyn, st, x, M, wt, at,
+                     scale, cb, bias, out, (int)in, y);
 }
 
 // Which kernel, by the H100 measurements of docs/kernels_history.md (tenth to twelfth sessions). M <= 8:

@@ -167,6 +167,61 @@ def test_tiled_cuda_graph_capture(k):
     assert torch.equal(y, cuda.linear(x, wt, at, s, cb, k, in_f))
 
 
+@pytest.mark.parametrize("kernel,M", [("range", 1), ("range", 9), ("range", 40), ("batch", 24)])
+def test_tiled_gemv_chain_ping_pong(kernel, M, monkeypatch):
+    """Tiled GEMVs back to back on one stream, each reading the output of the one before and writing over that one's
+    input (two buffers). With programmatic dependent launch (kbit_tiled.cu, pdl_wait) a GEMV may start while the one
+    before drains (1024 x 1024 leaves most SMs without tiles, so it does): it must neither read its input early nor
+    overwrite the input of the one before. Eager and replayed from a CUDA graph, bitwise against the same GEMVs each
+    followed by a device synchronization (no overlap)."""
+    if not _sm90():
+        pytest.skip("the tiled GEMV is sm_90")
+    cuda = _cuda()
+    monkeypatch.setattr(cuda, "tiled_kernel", cuda.TILED_KERNELS[kernel])
+    k, n, depth = 4, 1024, 6
+    cb = fmt.nf0_codebook(k).cuda()
+    layers = []
+    for _ in range(depth):
+        p, a, s = cuda.quantize(torch.randn(n, n, device="cuda") / 32, cb, k, "e4m4")
+        layers.append((*cuda.tile(p, a, n, k), s))
+    bufs = [torch.empty(M, n, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+
+    def chain(sync=False):
+        for i, (wt, at, s) in enumerate(layers):
+            cuda.linear_out(bufs[i % 2], wt, at, s, cb, k, n, None, bufs[(i + 1) % 2])
+            if sync:
+                torch.cuda.synchronize()
+
+    def expected(x0):
+        bufs[0].copy_(x0)
+        chain(sync=True)
+        return bufs[depth % 2].clone()
+
+    x0 = torch.randn(M, n, device="cuda").bfloat16()
+    ref = expected(x0)
+    assert ref.isfinite().all() and ref.abs().max() > 0
+    bufs[0].copy_(x0)
+    bufs[1].fill_(float("nan"))
+    chain()
+    assert torch.equal(bufs[depth % 2], ref)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for _ in range(3):
+        x0 = torch.randn(M, n, device="cuda").bfloat16()
+        ref = expected(x0)
+        bufs[0].copy_(x0)
+        bufs[1].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bufs[depth % 2], ref)
+
+
 def _layer(out_f, in_f, dtype=torch.bfloat16, k=4):
     from kbit_hf import KbitLinear
 
