@@ -147,6 +147,19 @@ GEMV_REL_W = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
 @functools.lru_cache(maxsize=8)
+def _captured(fn):
+    """A CUDA graph of fn(), after one warm-up call on a side stream (as torch recommends before capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 def _quantized(shape, k):
     g = torch.Generator().manual_seed(shape[0] * 7 + shape[1] + k)
     w = torch.randn(shape, generator=g)
@@ -282,16 +295,11 @@ def test_cuda_graph_capture(shape):
     x = torch.randn(2, in_f, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(2, out_f, device="cuda", dtype=torch.bfloat16)
     wd = torch.empty(out_f, in_f, device="cuda", dtype=torch.bfloat16)
-    s_ = torch.cuda.Stream()
-    s_.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s_):  # warm up on a side stream, as torch recommends before capture
+    def step():
         cuda.linear_out(x, p, a, s, cb, k, in_f, None, y)
         cuda.dequantize_out(p, a, s, cb, k, in_f, wd)
-    torch.cuda.current_stream().wait_stream(s_)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cuda.linear_out(x, p, a, s, cb, k, in_f, None, y)
-        cuda.dequantize_out(p, a, s, cb, k, in_f, wd)
+
+    graph = _captured(step)
     x.copy_(torch.randn_like(x))
     y.fill_(float("nan"))
     wd.zero_()
@@ -329,14 +337,7 @@ def test_gemv_chain_reads_the_previous_output(M):
     bufs[0].copy_(torch.randn(M, n, device="cuda"))
     chain()
     check()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain()
+    graph = _captured(chain)
     for _ in range(3):
         bufs[0].copy_(torch.randn(M, n, device="cuda"))
         for b in bufs[1:]:

@@ -9,7 +9,7 @@ import torch
 
 from kbit_hf import format as fmt
 from kbit_hf import reference
-from .test_kernels import GEMV_REL_W, _assert_linear_close, _ref_linear64
+from .test_kernels import GEMV_REL_W, _assert_linear_close, _captured, _ref_linear64
 
 # (2000, 2304): tiles that do not split evenly over the SMs; (272, 768): fewer tiles than SMs, 3 items per tile
 TILED_SHAPES = [(16, 256), (48, 512), (272, 768), (2000, 2304), (4096, 1024), (6144, 4096)]
@@ -152,14 +152,7 @@ def test_tiled_cuda_graph_capture(k):
     wt, at = cuda.tile(p, a, in_f, k)
     x = torch.randn(3, in_f, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(3, out_f, device="cuda", dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        cuda.linear_out(x, wt, at, s, cb, k, in_f, None, y)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cuda.linear_out(x, wt, at, s, cb, k, in_f, None, y)
+    graph = _captured(lambda: cuda.linear_out(x, wt, at, s, cb, k, in_f, None, y))
     x.copy_(torch.randn_like(x))
     y.fill_(float("nan"))
     graph.replay()
@@ -204,14 +197,7 @@ def test_tiled_gemv_chain_ping_pong(kernel, M, monkeypatch):
     bufs[1].fill_(float("nan"))
     chain()
     assert torch.equal(bufs[depth % 2], ref)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain()
+    graph = _captured(chain)
     for _ in range(3):
         x0 = torch.randn(M, n, device="cuda").bfloat16()
         ref = expected(x0)
