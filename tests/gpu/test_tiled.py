@@ -160,28 +160,34 @@ def test_tiled_cuda_graph_capture(k):
     assert torch.equal(y, cuda.linear(x, wt, at, s, cb, k, in_f))
 
 
-@pytest.mark.parametrize("kernel,M", [("range", 1), ("range", 9), ("range", 40), ("batch", 24)])
-def test_tiled_gemv_chain_ping_pong(kernel, M, monkeypatch):
-    """Tiled GEMVs back to back on one stream, each reading the output of the one before and writing over that one's
-    input (two buffers). With programmatic dependent launch (kbit_tiled.cu, pdl_wait) a GEMV may start while the one
-    before drains (1024 x 1024 leaves most SMs without tiles, so it does): it must neither read its input early nor
-    overwrite the input of the one before. Eager and replayed from a CUDA graph, bitwise against the same GEMVs each
-    followed by a device synchronization (no overlap)."""
-    if not _sm90():
+@pytest.mark.parametrize(
+    "layouts,kernel,M",
+    [("tttttt", "range", 1), ("tttttt", "range", 9), ("tttttt", "range", 40), ("tttttt", "batch", 24),
+     ("pppppp", "auto", 1), ("pppppp", "auto", 5), ("tpptpt", "auto", 1), ("tpptpt", "auto", 8)],
+    ids=str,
+)
+def test_gemv_chain_ping_pong(layouts, kernel, M, monkeypatch):
+    """GEMVs back to back on one stream, each reading the output of the one before and writing over that one's input
+    (two buffers); layouts: t tiled, p bit planes (tpptpt: each after the other, as k_proj after q_proj). With
+    programmatic dependent launch (kbit_tiled.cu, pdl_wait) a tiled GEMV may start while the one before drains (1024 x
+    1024 leaves most SMs without tiles, so it does): it must neither read its input early nor overwrite the input of
+    the one before. Eager and replayed from a CUDA graph, bitwise against the same GEMVs each followed by a device
+    synchronization (no overlap)."""
+    if "t" in layouts and not _sm90():
         pytest.skip("the tiled GEMV is sm_90")
     cuda = _cuda()
     monkeypatch.setattr(cuda, "tiled_kernel", cuda.TILED_KERNELS[kernel])
-    k, n, depth = 4, 1024, 6
+    k, n, depth = 4, 1024, len(layouts)
     cb = fmt.nf0_codebook(k).cuda()
     layers = []
-    for _ in range(depth):
+    for layout in layouts:
         p, a, s = cuda.quantize(torch.randn(n, n, device="cuda") / 32, cb, k, "e4m4")
-        layers.append((*cuda.tile(p, a, n, k), s))
+        layers.append((*cuda.tile(p, a, n, k), s) if layout == "t" else (p, a, s))
     bufs = [torch.empty(M, n, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
 
     def chain(sync=False):
-        for i, (wt, at, s) in enumerate(layers):
-            cuda.linear_out(bufs[i % 2], wt, at, s, cb, k, n, None, bufs[(i + 1) % 2])
+        for i, (w, a, s) in enumerate(layers):
+            cuda.linear_out(bufs[i % 2], w, a, s, cb, k, n, None, bufs[(i + 1) % 2])
             if sync:
                 torch.cuda.synchronize()
 
