@@ -146,7 +146,6 @@ GEMV_SHAPES = [(1, 32), (1, 4096), (7, 100), (33, 8), (256, 1000), (4096, 4096),
 GEMV_REL_W = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
-@functools.lru_cache(maxsize=8)
 def _captured(fn):
     """A CUDA graph of fn(), after one warm-up call on a side stream (as torch recommends before capture)."""
     side = torch.cuda.Stream()
@@ -160,6 +159,7 @@ def _captured(fn):
     return graph
 
 
+@functools.lru_cache(maxsize=8)
 def _quantized(shape, k):
     g = torch.Generator().manual_seed(shape[0] * 7 + shape[1] + k)
     w = torch.randn(shape, generator=g)
@@ -295,6 +295,7 @@ def test_cuda_graph_capture(shape):
     x = torch.randn(2, in_f, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(2, out_f, device="cuda", dtype=torch.bfloat16)
     wd = torch.empty(out_f, in_f, device="cuda", dtype=torch.bfloat16)
+
     def step():
         cuda.linear_out(x, p, a, s, cb, k, in_f, None, y)
         cuda.dequantize_out(p, a, s, cb, k, in_f, wd)
