@@ -543,19 +543,19 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   const int u0 = range_begin(warp), u1 = range_begin(warp + 1);
   const uint8_t* wsrc = wt + (t0 * IPT) * L::ITEM_W;
   const uint8_t* asrc = at + (t0 * IPT) * ITEM_A;
+  auto item_w = [&](int u) { return wsrc + (int64_t)u * L::ITEM_W; };  // the CTA's item u: weights, scales
+  auto item_a = [&](int u) { return asrc + (int64_t)u * ITEM_A; };
   const uint32_t wbar = BARS + warp * S * 8;
   if (lane == 0) {
     for (int s = 0; s < S; ++s) mbar_init(wbar + 8 * s, 1);
-    for (int s = 0; s < S && u0 + s < u1; ++s)
-      prefetch_item_l2<K>(wsrc + (int64_t)(u0 + s) * L::ITEM_W, asrc + (int64_t)(u0 + s) * ITEM_A);
+    for (int s = 0; s < S && u0 + s < u1; ++s) prefetch_item_l2<K>(item_w(u0 + s), item_a(u0 + s));
   }
   pdl_wait();
   const float cb_lane = __ldg(codebook + (lane & ((1 << K) - 1)));
   const float sc = __ldg(scale);
   if (lane == 0) {
     for (int s = 0; s < S && u0 + s < u1; ++s)
-      fetch_item<K>(ring_addr<TEND, L::ITEM>(warp * S + s), wsrc + (int64_t)(u0 + s) * L::ITEM_W,
-                    asrc + (int64_t)(u0 + s) * ITEM_A, wbar + 8 * s);
+      fetch_item<K>(ring_addr<TEND, L::ITEM>(warp * S + s), item_w(u0 + s), item_a(u0 + s), wbar + 8 * s);
   }
   // token 8 nt + g in this lane's B column: its elements 8 q .. 8 q + 7 of each 32-element block, as 16-byte words.
   // Tokens past M read token M - 1: their output columns are never stored, so no loads are predicated or zeroed.
@@ -590,8 +590,8 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   // the walk: tile cur, item v inside it; ring slot s with its mbarrier phase; the next item to fetch
   int cur = tf, v = u0 - tf * IPT, unext = u0 + S;
   uint32_t s = 0, phase = 0;
-  const uint8_t* wnext = wsrc + (int64_t)unext * L::ITEM_W;
-  const uint8_t* anext = asrc + (int64_t)unext * ITEM_A;
+  const uint8_t* wnext = item_w(unext);
+  const uint8_t* anext = item_a(unext);
   for (int u = u0; u < u1; ++u, ++v) {
     if (v == IPT) {  // the previous tile is done: keep the first one for the epilogue, store a middle one
 #pragma unroll
@@ -1092,15 +1092,20 @@ bool tiled_shape(int64_t out, int64_t in) {
   return out > 0 && in > 0 && out % 16 == 0 && in % 256 == 0 && in < (1 << 30);
 }
 
+// KBIT_PDL=0 launches the tiled GEMVs without programmatic stream serialization (read once per process)
+bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = getenv("KBIT_PDL");
+    return v == nullptr || v[0] != '0';
+  }();
+  return on;
+}
+
 // Launches a tiled GEMV with programmatic stream serialization (pdl_wait above), unless KBIT_PDL=0: it may then start
 // while the kernel before it drains. Both GEMVs are persistent, one CTA per SM, so an early start only takes SMs that
 // the kernel before has left.
 template <typename Kernel, typename... Args>
 int launch_gemv(Kernel kernel, unsigned grid, unsigned threads, int dyn, cudaStream_t st, Args... args) {
-  static const bool pdl = [] {
-    const char* v = getenv("KBIT_PDL");
-    return v == nullptr || v[0] != '0';
-  }();
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(threads);
@@ -1110,7 +1115,7 @@ int launch_gemv(Kernel kernel, unsigned grid, unsigned threads, int dyn, cudaStr
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
   return (int)cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
