@@ -23,12 +23,13 @@
 // byte + ENTRY * lane, so one PRMT of a weight byte with table_lane(lane) is the whole address of a conflict-free
 // lookup (K = 2: an 8-byte lookup gives two A registers; 2 of each item's 8 blocks are decoded by PRMTs from the
 // codebook in registers instead, which takes load off the shared-memory pipe that binds K = 2. K = 3: a fourth of the
-// pairs are gathered first; K = 5's table is 128 KB, the pair's high bits adding address bits: lookup_block). NT tiles
-// of 8 tokens share each looked-up A operand. Tiles inside a warp's range are stored by that warp; the partial sums of
-// the first and last tile of each range go through a shared region of their own (range_partials) and are summed in
-// warp order after the loop: deterministic, no atomics. Both GEMVs are launched with programmatic dependent launch
-// (launch_gemv, pdl_wait): a GEMV starts as the kernel before it drains, reading no memory until that kernel is done;
-// the range kernel meanwhile asks its first items into L2.
+// pairs are gathered first, and from M = 4 on 4 of the 8 blocks are decoded in registers (K3Regs); K = 5's table is
+// 128 KB, the pair's high bits adding address bits: lookup_block). NT tiles of 8 tokens share each looked-up A operand.
+// Tiles inside a warp's range are stored by that warp; the partial sums of the first and last tile of each range go
+// through a shared region of their own (range_partials) and are summed in warp order after the loop: deterministic, no
+// atomics. Both GEMVs are launched with programmatic dependent launch (launch_gemv, pdl_wait): a GEMV starts as the
+// kernel before it drains, reading no memory until that kernel is done; the range kernel meanwhile asks its first items
+// into L2.
 // The batched GEMV (gemv_tiled_batch_kernel, M = 9..64 on layers of many tiles) has its own comment below.
 #include "kbit_api.h"
 #include "kbit_common.cuh"
@@ -229,6 +230,15 @@ __device__ __forceinline__ uint32_t k3_spare(uint32_t w0, uint32_t w1, uint32_t 
   const uint32_t u = bitsel(w0 >> 6, w1 >> 4, 0x03030303u);
   return bitsel(u, w2 >> 2, 0x0F0F0F0Fu);
 }
+// K = 3: the words of pair bytes of k slices 0 and 1 of block kb (an even block's are its two words, an odd block's
+// its third word and k3_spare; N: the words of an item, Tiled<3>::WORDS, left free so that the main loop of every K
+// compiles the K = 3 branch)
+template <int N>
+__device__ __forceinline__ void k3_block_words(const uint32_t (&w)[N], int kb, uint32_t& w0, uint32_t& w1) {
+  const int i = 3 * (kb >> 1);  // the block pair's three words (k3_byte)
+  w0 = (kb & 1) ? w[i + 2] : w[i];
+  w1 = (kb & 1) ? k3_spare(w[i], w[i + 1], w[i + 2]) : w[i + 1];
+}
 // the A operands of block kb of the item (k slices h = 0, 1 of m16n8k16): A[h][j] is register a_j of slice h (j & 1:
 // row g + 8), straight from the table. K = 4: one lookup per register; K = 2: one 8-byte lookup per two (a_rh and
 // a_rh+2: the two pairs of a byte). K = 3: one lookup per register (an even block's from its two words, an odd
@@ -252,8 +262,8 @@ __device__ __forceinline__ void lookup_block(const uint32_t (&w)[Tiled<K>::WORDS
       A[1][j] = lds_at(prmt(w[2 * kb + 1], H, 0xF706u | (uint32_t)j << 4));
     }
   } else if constexpr (K == 3) {
-    const int i = 3 * (kb >> 1);  // the block pair's three words (k3_byte)
-    const uint32_t w0 = (kb & 1) ? w[i + 2] : w[i], w1 = (kb & 1) ? k3_spare(w[i], w[i + 1], w[i + 2]) : w[i + 1];
+    uint32_t w0, w1;
+    k3_block_words(w, kb, w0, w1);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       A[0][j] = lds_at(prmt(w0, cl, 0x6504u | (uint32_t)j << 4));
@@ -310,6 +320,51 @@ __device__ __forceinline__ void decode_k2_regs(uint32_t w, K2Regs cr, uint32_t (
       A[0][s + 2 * p] = prmt(cr.lo, cr.hi, t);
       A[1][s + 2 * p] = prmt(cr.lo, cr.hi, t >> 16);
     }
+}
+
+// K = 3 without shared memory (as K2Regs): the low bytes of the 8 codebook values (in T, times the table factor) in
+// lo[0] (values 0..3) and lo[1] (4..7), their high bytes in hi. A pair byte's 3-bit indices are PRMT selectors over
+// such a register pair: from a word of 4 pair bytes, one shift and two LOP3s make the selectors of 4 indices, PRMTs
+// on lo and hi gather their low and high bytes, and two more PRMTs interleave those into 2 pairs (cb[i0], cb[i1]):
+// 12 integer operations per 4 pairs, against 4 PRMTs and 4 table lookups.
+struct K3Regs {
+  uint32_t lo[2], hi[2];
+};
+// Which blocks of each 8-block item the K = 3 range kernel decodes in registers (bit kb: block kb): 4 of 8 from M = 4
+// on, none below (nineteenth session, docs/results/h200_slots_k3regs). More tokens load more distinct activations
+// through the L1 pipe that the lookups use, and the register decode relieves it: against the table alone, H100 M = 8
+// 1.03-1.07x, M = 12..16 1.03-1.15x where the range kernel runs, M = 4 1.00-1.02x; H200 M = 4 1.05-1.12x. At M = 2 it
+// was 0.97-1.00x (H100) and at M = 1 0.96-0.99x (H100), 0.98-1.02x (H200). All 8 blocks was slower everywhere: the
+// integer pipe then binds.
+constexpr int K3_REG_MIN_M = 4;
+constexpr int K3_REG_MASK = 0x0F;
+template <typename T>
+__device__ __forceinline__ K3Regs k3_regs(float cb_lane, float factor) {
+  K3Regs r{{0u, 0u}, {0u, 0u}};
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const uint32_t v = Mma<T>::pack(__shfl_sync(0xFFFFFFFFu, cb_lane, c) * factor, 0.f);
+    r.lo[c >> 2] |= (v & 0xFFu) << (8 * (c & 3));
+    r.hi[c >> 2] |= ((v >> 8) & 0xFFu) << (8 * (c & 3));
+  }
+  return r;
+}
+// the A operands of a block from its words w0, w1 (k3_block_words), as lookup_block<3> gives them
+__device__ __forceinline__ void decode_k3_regs(uint32_t w0, uint32_t w1, const K3Regs& cr, uint32_t (&A)[2][4]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t w = h ? w1 : w0;
+    // byte j: indices a (bits 0..2) and b (3..5) -> selector nibbles 2 j, 2 j + 1 (bits 6, 7 are dropped; a nibble's
+    // bit 3 would select PRMT's sign mode)
+    const uint32_t s = bitsel(w, w << 1, 0x0F0F0F0Fu) & 0x77777777u;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // bytes 2 half, 2 half + 1 (PRMT reads its selector's low 16 bits)
+      const uint32_t sel = half ? s >> 16 : s;
+      const uint32_t lo = prmt(cr.lo[0], cr.lo[1], sel), hi = prmt(cr.hi[0], cr.hi[1], sel);
+      A[h][2 * half] = prmt(lo, hi, 0x5140u);
+      A[h][2 * half + 1] = prmt(lo, hi, 0x7362u);
+    }
+  }
 }
 
 // The asynchronous-copy and mbarrier instructions below are sm_90's; for older targets they compile to nothing
@@ -508,9 +563,10 @@ struct TiledCta {
   }
 };
 
-// NT tiles of 8 tokens (M <= 8 NT). NT = 1 loads an item's activations before waiting for its weights; NT > 1 loads
-// one block's ahead (fewer registers): the first block's before the wait, block kb + 1's while kb computes.
-template <typename T, int K, int NW, int S, int NT>
+// NT tiles of 8 tokens (M <= 8 NT); R3: the blocks that K = 3 decodes in registers (K3_REG_MASK or 0). NT = 1 loads an
+// item's activations before waiting for its weights; NT > 1 loads one block's ahead (fewer registers): the first
+// block's before the wait, block kb + 1's while kb computes.
+template <typename T, int K, int NW, int S, int NT, int R3>
 __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restrict__ x, int M,
                                                                  const uint8_t* __restrict__ wt,
                                                                  const uint8_t* __restrict__ at,
@@ -576,6 +632,8 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   build_pair_table<T, K, true, NW * 32>(win, cb_lane, TiledScales<T>::SUM_TABLE);
   K2Regs cr{0u, 0u};
   if constexpr (K == 2) cr = k2_regs<T>(cb_lane, TiledScales<T>::SUM_TABLE);
+  K3Regs cr3{{0u, 0u}, {0u, 0u}};
+  if constexpr (K == 3 && R3 != 0) cr3 = k3_regs<T>(cb_lane, TiledScales<T>::SUM_TABLE);
   __syncthreads();
   KBIT_STAMP(1);
   const uint32_t cl = table_lane<K, true>(lane);
@@ -646,10 +704,15 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       const uint32_t sg = kb < 4 ? a0 : a2, sh = kb < 4 ? a1 : a3;
       const int bb = kb & 3;
       uint32_t A[2][4];
-      if (K == 2 && kb < K2_REG_BLOCKS)  // some blocks decoded in registers (K2Regs)
+      if (K == 2 && kb < K2_REG_BLOCKS) {  // some blocks decoded in registers (K2Regs, K3Regs)
         decode_k2_regs(w[kb], cr, A);
-      else
+      } else if (K == 3 && ((R3 >> kb) & 1)) {
+        uint32_t w0, w1;
+        k3_block_words(w, kb, w0, w1);
+        decode_k3_regs(w0, w1, cr3, A);
+      } else {
         lookup_block<K, true>(w, kb, cl, A);
+      }
       const float s0 = TiledScales<T>::sum_scale((sg >> (8 * bb)) & 0xFFu);
       const float s1 = TiledScales<T>::sum_scale((sh >> (8 * bb)) & 0xFFu);
       uint4 xc[NT > 1 ? NT : 1];
@@ -1120,19 +1183,19 @@ int launch_gemv(Kernel kernel, unsigned grid, unsigned threads, int dyn, cudaStr
 }
 
 // One instantiation's launch (its dynamic shared-memory limit is raised once per device).
-template <typename T, int K, int NW, int S, int NT>
+template <typename T, int K, int NW, int S, int NT, int R3>
 int gemv_tiled_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                   const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
   static bool attr_set[64] = {};  // current_device_sms: dev < 64
   const int dyn = (int)range_smem_end<K, NW, S, NT>();
   if (!attr_set[dev]) {
-    const cudaError_t e = cudaFuncSetAttribute(gemv_tiled_kernel<T, K, NW, S, NT>,
+    const cudaError_t e = cudaFuncSetAttribute(gemv_tiled_kernel<T, K, NW, S, NT, R3>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
     if (e != cudaSuccess) return (int)e;
     attr_set[dev] = true;
   }
-  return launch_gemv(gemv_tiled_kernel<T, K, NW, S, NT>, (unsigned)sms, NW * 32, dyn, st, x, M, wt, at, scale, cb, bias,
-                     out, (int)in, y);
+  return launch_gemv(gemv_tiled_kernel<T, K, NW, S, NT, R3>, (unsigned)sms, NW * 32, dyn, st, x, M, wt, at, scale, cb,
+                     bias, out, (int)in, y);
 }
 
 // The batched kernel's launch: NW consumer warps and a producer warp, XS stages.
@@ -1192,9 +1255,15 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
     if (M <= 32) return gemv_tiled_batch_go<T, K, 8, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
     return gemv_tiled_batch_go<T, K, 8, 2, 8>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
   }
-  if (M <= 8) return gemv_tiled_go<T, K, 16, 1, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-  if (M <= 16) return gemv_tiled_go<T, K, 16, 1, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-  if (M <= 32) return gemv_tiled_go<T, K, 8, 1, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  constexpr int R3 = K == 3 ? K3_REG_MASK : 0;  // K3Regs
+  const bool regs3 = M >= K3_REG_MIN_M;
+  if (M <= 8)
+    return (regs3 ? gemv_tiled_go<T, K, 16, 1, 1, R3> : gemv_tiled_go<T, K, 16, 1, 1, 0>)(x, M, wt, at, scale, cb, bias,
+                                                                                          out, in, y, dev, sms, st);
+  if (M <= 16)
+    return (regs3 ? gemv_tiled_go<T, K, 16, 1, 2, R3> : gemv_tiled_go<T, K, 16, 1, 2, 0>)(x, M, wt, at, scale, cb, bias,
+                                                                                          out, in, y, dev, sms, st);
+  if (M <= 32) return gemv_tiled_go<T, K, 8, 1, 4, 0>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
   for (int m0 = 0; m0 < M; m0 += 32) {
     const int rc = gemv_tiled_launch<T, K>(x + m0 * in, M - m0 < 32 ? M - m0 : 32, wt, at, scale, cb, bias, out, in,
                                            y + m0 * out, KBIT_TILED_RANGE, st);
