@@ -332,10 +332,10 @@ struct K3Regs {
 };
 // Which blocks of each 8-block item the K = 3 range kernel decodes in registers (bit kb: block kb): 4 of 8 from M = 4
 // on, none below (nineteenth session, docs/results/h200_slots_k3regs). More tokens load more distinct activations
-// through the L1 pipe that the lookups use, and the register decode relieves it: against the table alone, H100 M = 8
-// 1.03-1.07x, M = 12..16 1.03-1.15x where the range kernel runs, M = 4 1.00-1.02x; H200 M = 4 1.05-1.12x. At M = 2 it
-// was 0.97-1.00x (H100) and at M = 1 0.96-0.99x (H100), 0.98-1.02x (H200). All 8 blocks was slower everywhere: the
-// integer pipe then binds.
+// through the L1 pipe that the lookups use, and the register decode relieves it. Speed against the table alone: H100
+// M = 4 0.98-1.08x, M = 8 1.03-1.07x, M = 12..16 1.03-1.15x where the range kernel runs; H200 M = 4 1.02-1.12x. At
+// M = 2 0.97-1.01x (H100), at M = 1 0.95-1.01x (H100) and 0.97-1.05x (H200). All 8 blocks was slower at M = 1 on both
+// (0.87-0.94x): the integer pipe then binds.
 constexpr int K3_REG_MIN_M = 4;
 constexpr int K3_REG_MASK = 0x0F;
 template <typename T>
