@@ -287,29 +287,33 @@ __device__ __forceinline__ void lookup_block(const uint32_t (&w)[Tiled<K>::WORDS
   }
 }
 
-// K = 2 without shared memory: the 4 codebook values (in T, times the table factor) as a word of their low bytes (lo)
-// and one of their high bytes (hi); PRMT(lo, hi, selector nibbles i0, 4 + i0, i1, 4 + i1) is the pair
-// (cb[i0], cb[i1]). Decodes the A operands of one block (word w: byte 2 h + rh holds i0..i3 of registers a_rh (i0,
-// i1) and a_rh+2 (i2, i3) of k slice h) with integer operations only, to take lookups off the shared-memory pipe,
-// which binds the K = 2 GEMV (docs/kernels_history.md, eleventh session).
-struct K2Regs {
-  uint32_t lo, hi;
+// The first N codebook values (in T, times the table factor) as words of their low bytes (lo[i]: values 4 i .. 4 i + 3)
+// and of their high bytes (hi): a PRMT over such words gathers values by their indices, a lookup without shared memory
+// (K2Regs, K3Regs).
+template <int N>
+struct CodebookBytes {
+  uint32_t lo[N / 4], hi[N / 4];
 };
-// blocks of each 8-block item that the K = 2 range kernel decodes in registers (H100, M = 1: 2 of 8 measured 1.01-1.10x
-// the table alone, 3 and 4 in between, all 8 slower: the integer pipe then binds; docs/results/tiled_k2, run 9)
-constexpr int K2_REG_BLOCKS = 2;
-template <typename T>
-__device__ __forceinline__ K2Regs k2_regs(float cb_lane, float factor) {
-  K2Regs r{0u, 0u};
+template <typename T, int N>
+__device__ __forceinline__ CodebookBytes<N> codebook_bytes(float cb_lane, float factor) {
+  CodebookBytes<N> r{};
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
+  for (int c = 0; c < N; ++c) {
     const uint32_t v = Mma<T>::pack(__shfl_sync(0xFFFFFFFFu, cb_lane, c) * factor, 0.f);
-    r.lo |= (v & 0xFFu) << (8 * c);
-    r.hi |= ((v >> 8) & 0xFFu) << (8 * c);
+    r.lo[c / 4] |= (v & 0xFFu) << (8 * (c % 4));
+    r.hi[c / 4] |= ((v >> 8) & 0xFFu) << (8 * (c % 4));
   }
   return r;
 }
-__device__ __forceinline__ void decode_k2_regs(uint32_t w, K2Regs cr, uint32_t (&A)[2][4]) {
+// K = 2 without shared memory: the 4 codebook values' bytes; PRMT(lo, hi, selector nibbles i0, 4 + i0, i1, 4 + i1) is
+// the pair (cb[i0], cb[i1]). Decodes the A operands of one block (word w: byte 2 h + rh holds i0..i3 of registers a_rh
+// (i0, i1) and a_rh+2 (i2, i3) of k slice h) with integer operations only, to take lookups off the shared-memory pipe,
+// which binds the K = 2 GEMV (docs/kernels_history.md, eleventh session).
+using K2Regs = CodebookBytes<4>;
+// blocks of each 8-block item that the K = 2 range kernel decodes in registers (H100, M = 1: 2 of 8 measured 1.01-1.10x
+// the table alone, 3 and 4 in between, all 8 slower: the integer pipe then binds; docs/results/tiled_k2, run 9)
+constexpr int K2_REG_BLOCKS = 2;
+__device__ __forceinline__ void decode_k2_regs(uint32_t w, const K2Regs& cr, uint32_t (&A)[2][4]) {
 #pragma unroll
   for (int s = 0; s < 2; ++s)      // bytes s (k slice 0) and s + 2 (k slice 1): row half rh = s
 #pragma unroll
@@ -317,19 +321,16 @@ __device__ __forceinline__ void decode_k2_regs(uint32_t w, K2Regs cr, uint32_t (
       // indices (2 p, 2 p + 1) of byte s into bytes 0, 1 and of byte s + 2 into bytes 2, 3; then the selectors
       uint32_t t = (((w >> (8 * s + 4 * p)) & 0x000F000Fu) * 0x41u) & 0x03030303u;
       t = t * 0x11u + 0x40404040u;
-      A[0][s + 2 * p] = prmt(cr.lo, cr.hi, t);
-      A[1][s + 2 * p] = prmt(cr.lo, cr.hi, t >> 16);
+      A[0][s + 2 * p] = prmt(cr.lo[0], cr.hi[0], t);
+      A[1][s + 2 * p] = prmt(cr.lo[0], cr.hi[0], t >> 16);
     }
 }
 
-// K = 3 without shared memory (as K2Regs): the low bytes of the 8 codebook values (in T, times the table factor) in
-// lo[0] (values 0..3) and lo[1] (4..7), their high bytes in hi. A pair byte's 3-bit indices are PRMT selectors over
-// such a register pair: from a word of 4 pair bytes, one shift and two LOP3s make the selectors of 4 indices, PRMTs
-// on lo and hi gather their low and high bytes, and two more PRMTs interleave those into 2 pairs (cb[i0], cb[i1]):
-// 12 integer operations per 4 pairs, against 4 PRMTs and 4 table lookups.
-struct K3Regs {
-  uint32_t lo[2], hi[2];
-};
+// K = 3 without shared memory: the 8 codebook values' bytes, lo[0], lo[1] and hi[0], hi[1]. A pair byte's 3-bit
+// indices are PRMT selectors over such a register pair: from a word of 4 pair bytes, one shift and two LOP3s make the
+// selectors of 4 indices, PRMTs on lo and hi gather their low and high bytes, and two more PRMTs interleave those into
+// 2 pairs (cb[i0], cb[i1]): 12 integer operations per 4 pairs, against 4 PRMTs and 4 table lookups.
+using K3Regs = CodebookBytes<8>;
 // Which blocks of each 8-block item the K = 3 range kernel decodes in registers (bit kb: block kb): 4 of 8 from M = 4
 // on, none below (nineteenth session, docs/results/h200_slots_k3regs). More tokens load more distinct activations
 // through the L1 pipe that the lookups use, and the register decode relieves it. Speed against the table alone: H100
@@ -338,17 +339,6 @@ struct K3Regs {
 // (0.87-0.94x): the integer pipe then binds.
 constexpr int K3_REG_MIN_M = 4;
 constexpr int K3_REG_MASK = 0x0F;
-template <typename T>
-__device__ __forceinline__ K3Regs k3_regs(float cb_lane, float factor) {
-  K3Regs r{{0u, 0u}, {0u, 0u}};
-#pragma unroll
-  for (int c = 0; c < 8; ++c) {
-    const uint32_t v = Mma<T>::pack(__shfl_sync(0xFFFFFFFFu, cb_lane, c) * factor, 0.f);
-    r.lo[c >> 2] |= (v & 0xFFu) << (8 * (c & 3));
-    r.hi[c >> 2] |= ((v >> 8) & 0xFFu) << (8 * (c & 3));
-  }
-  return r;
-}
 // the A operands of a block from its words w0, w1 (k3_block_words), as lookup_block<3> gives them
 __device__ __forceinline__ void decode_k3_regs(uint32_t w0, uint32_t w1, const K3Regs& cr, uint32_t (&A)[2][4]) {
 #pragma unroll
@@ -630,10 +620,10 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
         asm volatile("prefetch.global.L1 [%0];" ::"l"(x16 + xo[nt] + 32u * (u0 - tf * IPT) + 4 * kb));
   }
   build_pair_table<T, K, true, NW * 32>(win, cb_lane, TiledScales<T>::SUM_TABLE);
-  K2Regs cr{0u, 0u};
-  if constexpr (K == 2) cr = k2_regs<T>(cb_lane, TiledScales<T>::SUM_TABLE);
-  K3Regs cr3{{0u, 0u}, {0u, 0u}};
-  if constexpr (K == 3 && R3 != 0) cr3 = k3_regs<T>(cb_lane, TiledScales<T>::SUM_TABLE);
+  K2Regs cr{};
+  if constexpr (K == 2) cr = codebook_bytes<T, 4>(cb_lane, TiledScales<T>::SUM_TABLE);
+  K3Regs cr3{};
+  if constexpr (K == 3 && R3 != 0) cr3 = codebook_bytes<T, 8>(cb_lane, TiledScales<T>::SUM_TABLE);
   __syncthreads();
   KBIT_STAMP(1);
   const uint32_t cl = table_lane<K, true>(lane);
