@@ -1212,10 +1212,11 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
 // up to 2.6x the range kernel there. But at M = 9..14 the range kernel (two token tiles) is faster on layers of many
 // items per warp, the more so the smaller K (its lookups are shared by both token tiles; 2026-11-23, H100, both
 // forced on six shapes from 6144x4096 to 128256x4096): K = 2 on every layer (0.79-0.99x the batched kernel's time),
-// K = 3 from 12 items per warp (0.85-0.99x), K = 4 from 24 (0.90-0.97x), K = 5 from 48 (0.94-1.00x); below those the
-// batched kernel was as fast or faster. Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their
-// accumulators need the registers), and launches of 32 tokens above. kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE /
-// KBIT_TILED_BATCH to force one (tests).
+// K = 4 from 24 items per warp (0.90-0.97x), K = 5 from 48 (0.94-1.00x); below those the batched kernel was as fast
+// or faster. K = 3 on every layer since its register decode (nineteenth session, both forced on five shapes from
+// 6144x4096 to 128256x4096: 0.47-0.97x at M = 9..14; from 12 items per warp before). Otherwise the range kernel: 16
+// warps for M <= 16, 8 for M <= 32 (their accumulators need the registers), and launches of 32 tokens above. kernel:
+// KBIT_TILED_AUTO, or KBIT_TILED_RANGE / KBIT_TILED_BATCH to force one (tests).
 template <typename T, int K>
 int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                       const T* bias, int64_t out, int64_t in, T* y, int kernel, cudaStream_t st) {
@@ -1225,7 +1226,7 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
   if (major < 9) return (int)cudaErrorNotSupported;
   const int64_t tiles = out / 16;
   const int64_t items_per_warp = tiles * (in / 256) / (16 * (int64_t)sms);
-  const bool range_first = M <= 14 && items_per_warp >= (K == 2 ? 0 : K == 3 ? 12 : K == 4 ? 24 : 48);
+  const bool range_first = M <= 14 && items_per_warp >= (K <= 3 ? 0 : K == 4 ? 24 : 48);
   // 1..2 tiles per SM: the batched kernel from M = 41 (K != 5) on layers of many items per warp (4096x14336). On small
   // ones (< 2 items per warp: 4096x4096, 3072x3072) also at M > 32 for K = 3, M = 16..40 for K = 4 and M = 16 for K = 5
   // (H100, sixteenth session, docs/results/short_epilogue/run7-9: both kernels forced, then the rules against each
