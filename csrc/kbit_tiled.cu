@@ -417,6 +417,11 @@ __device__ __forceinline__ void pdl_wait() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// this lane's codebook entry cb[lane % 2^K], from which build_pair_table and codebook_bytes shuffle (after pdl_wait)
+template <int K>
+__device__ __forceinline__ float codebook_lane(const float* codebook, int lane) {
+  return __ldg(codebook + (lane & ((1 << K) - 1)));
+}
 // one item (weights, then scales) into a ring slot, completing on its mbarrier (one lane)
 template <int K>
 __device__ __forceinline__ void fetch_item(uint32_t slot, const uint8_t* w, const uint8_t* a, uint32_t bar) {
@@ -597,7 +602,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
     for (int s = 0; s < S && u0 + s < u1; ++s) prefetch_item_l2<K>(item_w(u0 + s), item_a(u0 + s));
   }
   pdl_wait();
-  const float cb_lane = __ldg(codebook + (lane & ((1 << K) - 1)));
+  const float cb_lane = codebook_lane<K>(codebook, lane);
   const float sc = __ldg(scale);
   if (lane == 0) {
     for (int s = 0; s < S && u0 + s < u1; ++s)
@@ -818,8 +823,7 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
   }
   pdl_wait();  // every load below: the kernel before has finished
   const float sc = __ldg(scale);
-  build_pair_table<T, K, false, (NW + 1) * 32>(win, __ldg(codebook + (lane & ((1 << K) - 1))),
-                                               TiledScales<T>::A_TABLE);
+  build_pair_table<T, K, false, (NW + 1) * 32>(win, codebook_lane<K>(codebook, lane), TiledScales<T>::A_TABLE);
   __syncthreads();
   const int steps = rounds * IPT;
   if (warp == NW) {  // the producer
