@@ -609,12 +609,16 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       fetch_item<K>(ring_addr<TEND, L::ITEM>(warp * S + s), item_w(u0 + s), item_a(u0 + s), wbar + 8 * s);
   }
   // token 8 nt + g in this lane's B column: its elements 8 q .. 8 q + 7 of each 32-element block, as 16-byte words.
-  // Tokens past M read token M - 1: their output columns are never stored, so no loads are predicated or zeroed.
   // As 32-bit indices of 16-byte words from x (a launch has M <= 32 tokens and in < 2^30: they fit).
   const uint4* x16 = reinterpret_cast<const uint4*>(x);
   uint32_t xo[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) xo[nt] = (uint32_t)min(8 * nt + g, M - 1) * (uint32_t)(in / 8) + q;
+  // NT = 1: lanes of tokens past M load nothing, their B columns keep zeros (their output columns are never stored),
+  // so less data passes the L1 pipe, which binds on the H200 (M = 1: a fourth of the lanes load; twentieth session:
+  // 1.02-1.10x at M = 1..4). At NT > 1 tokens past M read token M - 1: predicating the next block's loads there was
+  // 0.7-1.0x as fast.
+  const bool xon = g < M;
   // the first tile of this warp's range (its partial sums wait in shared memory until every warp is done)
   const int tf = u0 < u1 ? u0 / IPT : -1;
   if (u0 < u1) {
@@ -645,6 +649,8 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   uint32_t s = 0, phase = 0;
   const uint8_t* wnext = item_w(unext);
   const uint8_t* anext = item_a(unext);
+  uint4 xv1[NT == 1 ? 8 : 1];  // NT = 1: the activations of all 8 blocks of the item
+  for (uint4& r : xv1) r = make_uint4(0u, 0u, 0u, 0u);
   for (int u = u0; u < u1; ++u, ++v) {
     if (v == IPT) {  // the previous tile is done: keep the first one for the epilogue, store a middle one
 #pragma unroll
@@ -665,10 +671,11 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) xi[nt] = x16 + (xo[nt] + 32u * v);
     auto load_x = [&](int nt, int kb) { return __ldg(xi[nt] + 4 * kb); };
-    uint4 xv1[NT == 1 ? 8 : 1], xn[NT > 1 ? NT : 1];  // NT = 1: all 8 blocks; NT > 1: the next block
+    uint4 xn[NT > 1 ? NT : 1];  // NT > 1: the next block
     if constexpr (NT == 1) {
 #pragma unroll
-      for (int kb = 0; kb < 8; ++kb) xv1[kb] = load_x(0, kb);
+      for (int kb = 0; kb < 8; ++kb)
+        if (xon) xv1[kb] = load_x(0, kb);
     } else {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) xn[nt] = load_x(nt, 0);
