@@ -614,11 +614,13 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   uint32_t xo[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) xo[nt] = (uint32_t)min(8 * nt + g, M - 1) * (uint32_t)(in / 8) + q;
-  // NT = 1: lanes of tokens past M load nothing, their B columns keep zeros (their output columns are never stored),
-  // so less data passes the L1 pipe, which binds on the H200 (M = 1: a fourth of the lanes load; twentieth session:
-  // 1.02-1.10x at M = 1..4). At NT > 1 tokens past M read token M - 1: predicating the next block's loads there was
-  // 0.7-1.0x as fast.
+  // Lanes of tokens past M load no activations: their B columns hold zeros (their output columns are never stored), so
+  // less data passes the L1 pipe, which binds on the H200 (M = 1: a fourth of the lanes load). NT = 1 keeps the item's
+  // 8 blocks across items, so those lanes keep the zeros of the start; NT > 1 loads the next block as a select
+  // between the load and zeros, for K = 4 only: the selects made K = 2, 3 (which decode blocks in registers) and K = 5
+  // slower (twentieth session, docs/results/x_pred: H200, M = 1..4 1.00-1.14x; NT > 1, K = 4 1.00-1.12x).
   const bool xon = g < M;
+  constexpr bool XSEL = NT > 1 && K == 4;
   // the first tile of this warp's range (its partial sums wait in shared memory until every warp is done)
   const int tf = u0 < u1 ? u0 / IPT : -1;
   if (u0 < u1) {
@@ -670,7 +672,15 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
     const uint4* xi[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) xi[nt] = x16 + (xo[nt] + 32u * v);
-    auto load_x = [&](int nt, int kb) { return __ldg(xi[nt] + 4 * kb); };
+    auto load_x = [&](int nt, int kb) {
+      if constexpr (XSEL) {
+        uint4 r = make_uint4(0u, 0u, 0u, 0u);
+        if (8 * nt + g < M) r = __ldg(xi[nt] + 4 * kb);
+        return r;
+      } else {
+        return __ldg(xi[nt] + 4 * kb);
+      }
+    };
     uint4 xn[NT > 1 ? NT : 1];  // NT > 1: the next block
     if constexpr (NT == 1) {
 #pragma unroll
@@ -1225,7 +1235,9 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
 // forced on six shapes from 6144x4096 to 128256x4096): K = 2 on every layer (0.79-0.99x the batched kernel's time),
 // K = 4 from 24 items per warp (0.90-0.97x), K = 5 from 48 (0.94-1.00x); below those the batched kernel was as fast
 // or faster. K = 3 on every layer since its register decode (nineteenth session, both forced on five shapes from
-// 6144x4096 to 128256x4096: 0.47-0.97x at M = 9..14; from 12 items per warp before). Otherwise the range kernel: 16
+// 6144x4096 to 128256x4096: 0.47-0.97x at M = 9..14; from 12 items per warp before). K = 2, 3 also at M = 15
+// (twentieth session, H200: 0.48-0.99x on four and five shapes); at M = 16 the batched kernel was faster on 14336x4096
+// (H200 1.04-1.10x, H100 1.04-1.05x for K = 3), so it keeps M = 16. Otherwise the range kernel: 16
 // warps for M <= 16, 8 for M <= 32 (their accumulators need the registers), and launches of 32 tokens above. kernel:
 // KBIT_TILED_AUTO, or KBIT_TILED_RANGE / KBIT_TILED_BATCH to force one (tests).
 template <typename T, int K>
@@ -1237,7 +1249,7 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
   if (major < 9) return (int)cudaErrorNotSupported;
   const int64_t tiles = out / 16;
   const int64_t items_per_warp = tiles * (in / 256) / (16 * (int64_t)sms);
-  const bool range_first = M <= 14 && items_per_warp >= (K <= 3 ? 0 : K == 4 ? 24 : 48);
+  const bool range_first = M <= (K <= 3 ? 15 : 14) && items_per_warp >= (K <= 3 ? 0 : K == 4 ? 24 : 48);
   // 1..2 tiles per SM: the batched kernel from M = 41 (K != 5) on layers of many items per warp (4096x14336). On small
   // ones (< 2 items per warp: 4096x4096, 3072x3072) also at M > 32 for K = 3, M = 16..40 for K = 4 and M = 16 for K = 5
   // (H100, sixteenth session, docs/results/short_epilogue/run7-9: both kernels forced, then the rules against each
