@@ -618,7 +618,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   // less data passes the L1 pipe, which binds on the H200 (M = 1: a fourth of the lanes load). NT = 1 keeps the item's
   // 8 blocks across items, so those lanes keep the zeros of the start; NT > 1 loads the next block as a select
   // between the load and zeros, for K = 4 only: the selects made K = 2, 3 (which decode blocks in registers) and K = 5
-  // slower (twentieth session, docs/results/x_pred: H200, M = 1..4 1.00-1.14x; NT > 1, K = 4 1.00-1.12x).
+  // slower (twentieth session, docs/results/x_pred: H200, M = 1..4 1.00-1.14x; NT > 1, K = 4 1.00-1.14x in auto mode).
   const bool xon = g < M;
   constexpr bool XSEL = NT > 1 && K == 4;
   // the first tile of this warp's range (its partial sums wait in shared memory until every warp is done)
