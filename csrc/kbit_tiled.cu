@@ -334,7 +334,8 @@ using K3Regs = CodebookBytes<8>;
 // Which blocks of each 8-block item the K = 3 range kernel decodes in registers (bit kb: block kb): 4 of 8 from M = 4
 // on, none below (nineteenth session, docs/results/h200_slots_k3regs). More tokens load more distinct activations
 // through the L1 pipe that the lookups use, and the register decode relieves it. Speed against the table alone: H100
-// M = 4 0.98-1.08x, M = 8 1.03-1.07x, M = 12..16 1.03-1.15x where the range kernel runs; H200 M = 4 1.02-1.12x. At
+// M = 4 0.98-1.08x, M = 8 1.03-1.07x, M = 12..16 1.03-1.15x where the range kernel runs, M = 17..32 (NT = 4, 8 warps;
+// twentieth session, docs/results/x_pred run 8) 1.01-1.12x; H200 M = 4 1.02-1.12x. At
 // M = 2 0.97-1.01x (H100), at M = 1 0.95-1.01x (H100) and 0.97-1.05x (H200). All 8 blocks was slower at M = 1 on both
 // (0.87-0.94x): the integer pipe then binds.
 constexpr int K3_REG_MIN_M = 4;
@@ -1236,10 +1237,10 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
 // K = 4 from 24 items per warp (0.90-0.97x), K = 5 from 48 (0.94-1.00x); below those the batched kernel was as fast
 // or faster. K = 3 on every layer since its register decode (nineteenth session, both forced on five shapes from
 // 6144x4096 to 128256x4096: 0.47-0.97x at M = 9..14; from 12 items per warp before). K = 2, 3 also at M = 15
-// (twentieth session, H200: 0.48-0.99x on four and five shapes); at M = 16 the batched kernel was faster on 14336x4096
-// (H200 1.04-1.10x, H100 1.04-1.05x for K = 3), so it keeps M = 16. Otherwise the range kernel: 16
-// warps for M <= 16, 8 for M <= 32 (their accumulators need the registers), and launches of 32 tokens above. kernel:
-// KBIT_TILED_AUTO, or KBIT_TILED_RANGE / KBIT_TILED_BATCH to force one (tests).
+// (twentieth session, four and five shapes: 0.48-0.99x on the H200, 0.79-1.03x on the H100); at M = 16 the batched
+// kernel was faster on 14336x4096 (the range kernel 1.02-1.12x its time on both GPUs), so it keeps M = 16. Otherwise
+// the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their accumulators need the registers), and launches of 32
+// tokens above. kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE / KBIT_TILED_BATCH to force one (tests).
 template <typename T, int K>
 int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                       const T* bias, int64_t out, int64_t in, T* y, int kernel, cudaStream_t st) {
@@ -1277,7 +1278,7 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
   if (M <= 16)
     return (regs3 ? gemv_tiled_go<T, K, 16, 1, 2, R3> : gemv_tiled_go<T, K, 16, 1, 2, 0>)(x, M, wt, at, scale, cb, bias,
                                                                                           out, in, y, dev, sms, st);
-  if (M <= 32) return gemv_tiled_go<T, K, 8, 1, 4, 0>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  if (M <= 32) return gemv_tiled_go<T, K, 8, 1, 4, R3>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
   for (int m0 = 0; m0 < M; m0 += 32) {
     const int rc = gemv_tiled_launch<T, K>(x + m0 * in, M - m0 < 32 ? M - m0 : 32, wt, at, scale, cb, bias, out, in,
                                            y + m0 * out, KBIT_TILED_RANGE, st);
