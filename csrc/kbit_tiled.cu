@@ -335,9 +335,9 @@ using K3Regs = CodebookBytes<8>;
 // on, none below (nineteenth session, docs/results/h200_slots_k3regs). More tokens load more distinct activations
 // through the L1 pipe that the lookups use, and the register decode relieves it. Speed against the table alone: H100
 // M = 4 0.98-1.08x, M = 8 1.03-1.07x, M = 12..16 1.03-1.15x where the range kernel runs, M = 17..32 (NT = 4, 8 warps;
-// twentieth session, docs/results/x_pred run 8) 1.01-1.12x; H200 M = 4 1.02-1.12x. At
-// M = 2 0.97-1.01x (H100), at M = 1 0.95-1.01x (H100) and 0.97-1.05x (H200). All 8 blocks was slower at M = 1 on both
-// (0.87-0.94x): the integer pipe then binds.
+// twentieth session, docs/results/x_pred run 8) 1.01-1.12x; H200 M = 4 1.02-1.12x. At M = 2 0.97-1.01x (H100), at
+// M = 1 0.95-1.01x (H100) and 0.97-1.05x (H200). All 8 blocks was slower at M = 1 on both (0.87-0.94x): the integer
+// pipe then binds.
 constexpr int K3_REG_MIN_M = 4;
 constexpr int K3_REG_MASK = 0x0F;
 // the A operands of a block from its words w0, w1 (k3_block_words), as lookup_block<3> gives them

@@ -21,6 +21,8 @@ def main():
     ap.add_argument("--kernel", choices=("range", "batch"), default="range", help="the tiled GEMV kernel, forced")
     ap.add_argument("--compare", nargs=2, default=None)
     a = ap.parse_args()
+    if (a.out is None) == (a.compare is None):
+        ap.error("give either an output file or --compare A B")
     if a.compare:
         ref, new = (torch.load(p) for p in a.compare)
         assert ref.keys() == new.keys(), "the dumps hold different cases"
