@@ -1270,14 +1270,12 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
     if (M <= 32) return gemv_tiled_batch_go<T, K, 8, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
     return gemv_tiled_batch_go<T, K, 8, 2, 8>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
   }
-  constexpr int R3 = K == 3 ? K3_REG_MASK : 0;  // K3Regs
-  const bool regs3 = M >= K3_REG_MIN_M;
+  // K3Regs: K = 3 decodes some blocks in registers from M = K3_REG_MIN_M on, so at NT > 1 (M >= 9) always
+  constexpr int R3 = K == 3 ? K3_REG_MASK : 0;
   if (M <= 8)
-    return (regs3 ? gemv_tiled_go<T, K, 16, 1, 1, R3> : gemv_tiled_go<T, K, 16, 1, 1, 0>)(x, M, wt, at, scale, cb, bias,
-                                                                                          out, in, y, dev, sms, st);
-  if (M <= 16)
-    return (regs3 ? gemv_tiled_go<T, K, 16, 1, 2, R3> : gemv_tiled_go<T, K, 16, 1, 2, 0>)(x, M, wt, at, scale, cb, bias,
-                                                                                          out, in, y, dev, sms, st);
+    return (M >= K3_REG_MIN_M ? gemv_tiled_go<T, K, 16, 1, 1, R3> : gemv_tiled_go<T, K, 16, 1, 1, 0>)(
+        x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  if (M <= 16) return gemv_tiled_go<T, K, 16, 1, 2, R3>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
   if (M <= 32) return gemv_tiled_go<T, K, 8, 1, 4, R3>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
   for (int m0 = 0; m0 < M; m0 += 32) {
     const int rc = gemv_tiled_launch<T, K>(x + m0 * in, M - m0 < 32 ? M - m0 : 32, wt, at, scale, cb, bias, out, in,
