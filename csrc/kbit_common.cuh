@@ -29,12 +29,12 @@ inline bool current_device_sms(int& dev, int& sms) {
   return true;
 }
 
-// A grid-stride grid for `threads_needed` threads in blocks of `threads`: at most 16 blocks per SM.
-inline int grid_for_threads(int64_t threads_needed, int threads = 256) {
+// A grid-stride grid for `threads_needed` threads in blocks of `threads`: at most blocks_per_sm blocks per SM.
+inline int grid_for_threads(int64_t threads_needed, int threads = 256, int blocks_per_sm = 16) {
   int dev = 0, sms = 132;
   current_device_sms(dev, sms);
   int64_t blocks = (threads_needed + threads - 1) / threads;
-  const int64_t cap = (int64_t)sms * 16;  // enough resident blocks, grid-stride beyond that
+  const int64_t cap = (int64_t)sms * blocks_per_sm;  // enough resident blocks, grid-stride beyond that
   if (blocks > cap) blocks = cap;
   if (blocks < 1) blocks = 1;
   return (int)blocks;

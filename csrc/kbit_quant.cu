@@ -110,17 +110,21 @@ __global__ void quant_scale_kernel(float* scale, int64_t E) {
 }
 
 // ---- dequantize ----
+// The block's K words. K = 3..5 load them as streaming loads (ld.global.cs, evict first): on the H200 K = 3 went from
+// 79-81% to 87-88% of copy, K = 4 from 81-83% to 89-90%, with two blocks per thread (the grid cap below) K = 5 from
+// 77-78% to 86-87%; on the H100 1.01-1.05x (twenty-first session, docs/results/dq_stream). K = 2 keeps the
+// ordinary load: its streaming loads measured about 2% slower on the H200.
 template <int K>
 __device__ __forceinline__ void load_block_words(const uint32_t* __restrict__ p, uint32_t (&wd)[5]) {
   if constexpr (K == 4) {
-    uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    uint4 v = __ldcs(reinterpret_cast<const uint4*>(p));
     wd[0] = v.x; wd[1] = v.y; wd[2] = v.z; wd[3] = v.w; wd[4] = 0;
   } else if constexpr (K == 2) {
     uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
     wd[0] = v.x; wd[1] = v.y; wd[2] = 0; wd[3] = 0; wd[4] = 0;
   } else {
 #pragma unroll
-    for (int j = 0; j < 5; ++j) wd[j] = j < K ? __ldg(p + j) : 0u;
+    for (int j = 0; j < 5; ++j) wd[j] = j < K ? __ldcs(p + j) : 0u;
   }
 }
 
@@ -128,9 +132,11 @@ __device__ __forceinline__ void load_block_words(const uint32_t* __restrict__ p,
 // lands at y + 32 blk + 8 s and the per-tensor scale is loop-invariant, so the loop needs no 64-bit divisions
 // (two per 8 elements otherwise, which held the kernel at ~75% of the SM copy bandwidth on an H100).
 // Two threads per block, each storing the halves (8h.., 16+8h..) so that every store instruction writes whole sectors,
-// and a grid of up to 128 blocks per SM with one item per thread where that suffices: 89-93% of the SM copy on an
-// H100 for K = 2..5, against 80-85% with 4 threads per block, two items per thread and 32 blocks per SM
-// (docs/kernels_history.md, "Dequantize: two threads per block").
+// and a grid of up to 128 blocks per SM (K = 3..5: 64), grid-stride beyond: 89-93% of the SM copy on an H100 for
+// K = 2..5, against 80-85% with 4 threads per block, two items per thread and 32 blocks per SM
+// (docs/kernels_history.md, "Dequantize: two threads per block"). K = 3..5 take 64 since their streaming loads
+// (load_block_words): with 128, K = 5 reached only 81-83% of copy on the H200, with 64 86-87%; K = 2 with 64 read
+// 83-84% against 82-88% with 128 (twenty-first session, docs/results/dq_stream).
 template <int K, typename TO, bool DENSE>
 __global__ void __launch_bounds__(256) dequant_kernel(const uint32_t* __restrict__ packed, const void* __restrict__ absmax,
                                                       int absmax_fp16, const float* __restrict__ scale,
@@ -229,7 +235,8 @@ int dequant_launch(const uint32_t* packed, const void* absmax, int fp16, const f
   int dev = 0, sms = 132;
   current_device_sms(dev, sms);
   int64_t blocks = (threads_needed + 255) / 256;
-  int64_t cap = (int64_t)sms * 128;  // grid-stride beyond (8192^2 elements: one item per thread on 132 SMs)
+  // grid-stride beyond (8192^2 elements on 132 SMs: K = 2 one item per thread, K = 3..5 two; see dequant_kernel)
+  int64_t cap = (int64_t)sms * (K == 2 ? 128 : 64);
   if (blocks > cap) blocks = cap;
   if (vec && E == 1 && in % BLOCK == 0)
     dequant_kernel<K, TO, true><<<(unsigned)blocks, 256, 0, st>>>(packed, absmax, fp16, scale, cb, E, out, in, nb,

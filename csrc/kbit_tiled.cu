@@ -1095,8 +1095,11 @@ __global__ void dequant_tiled_kernel(const uint8_t* __restrict__ wt, const uint8
     const int64_t ii = valid ? i : 0;  // = ((t * C + c) * 32 + l) * 4 + b
     const int b = (int)(ii & 3), l = (int)((ii >> 2) & 31);
     const int64_t tc = ii >> 7;
-    const int c = (int)(tc % C);
-    const int64_t t = tc / C;
+    // (t, c) by a 32-bit division where tc fits (any layer under 2^43 elements): the 64-bit one is a subroutine of
+    // about 70 instructions
+    const bool narrow = tc >> 32 == 0;
+    const int c = narrow ? (int)((uint32_t)tc % (uint32_t)C) : (int)(tc % C);
+    const int64_t t = narrow ? (int64_t)((uint32_t)tc / (uint32_t)C) : tc / C;
     const int g = l >> 2, q = l & 3;
     const uint32_t s0 = at[(tc * 16 + g) * 4 + b], s1 = at[(tc * 16 + g + 8) * 4 + b];
     const float d[2] = {e4m4_decode(s0), e4m4_decode(s1)};
@@ -1238,7 +1241,16 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
 // or faster. K = 3 on every layer since its register decode (nineteenth session, both forced on five shapes from
 // 6144x4096 to 128256x4096: 0.47-0.97x at M = 9..14; from 12 items per warp before). K = 2, 3 also at M = 15
 // (twentieth session, four and five shapes: 0.48-0.99x on the H200, 0.79-1.03x on the H100); at M = 16 the batched
-// kernel was faster on 14336x4096 (the range kernel 1.02-1.12x its time on both GPUs), so it keeps M = 16. Otherwise
+// kernel was faster on 14336x4096 (the range kernel 1.02-1.12x its time on both GPUs), so it keeps M = 16.
+// K = 4, 5 since the twenty-first session (both forced, M = 9, 10, 12, 14, 16, seven shapes from 6144x4096 to
+// 128256x4096, H100 and H200, docs/results/dq_stream): the batched kernel gives each of its 8 consumer warps one tile
+// at a time, so with 2..4 tiles per SM half its warps or more idle, while the range kernel splits the items evenly.
+// The range kernel then wins where the batched kernel's warps are at most half busy and the range kernel has >= 4
+// items per warp (8192x8192, 8192x28672: 0.78-0.99x its time at M = 9..14; 8192x28672, of >= 24 items per warp, also
+// at M = 16: 0.86-0.99x), and at M = 9, 10 wherever they are under 3/4 busy or the layer has >= 24 items per warp
+// (6144x4096 K = 4, 28672x8192, 128256x4096: 0.85-0.94x), except K = 5 on fewer than 4 items per warp (6144x4096:
+// 0.94-1.16x). Elsewhere the two were even or the batched kernel faster (14336x4096 at M = 9, 10: 0.97-1.17x;
+// 28672x8192 and 128256x4096 at M = 12, 14: 0.94-1.06x; 6144x4096 K = 4 at M = 12, 14: 0.95-1.04x). Otherwise
 // the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their accumulators need the registers), and launches of 32
 // tokens above. kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE / KBIT_TILED_BATCH to force one (tests).
 template <typename T, int K>
@@ -1250,7 +1262,13 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
   if (major < 9) return (int)cudaErrorNotSupported;
   const int64_t tiles = out / 16;
   const int64_t items_per_warp = tiles * (in / 256) / (16 * (int64_t)sms);
-  const bool range_first = M <= (K <= 3 ? 15 : 14) && items_per_warp >= (K <= 3 ? 0 : K == 4 ? 24 : 48);
+  // the batched kernel's consumer-warp turns: 8 per SM and round of tiles (tiles / turns: the share that has a tile)
+  const int64_t turns = 8 * (int64_t)sms * ((tiles + 8 * sms - 1) / (8 * sms));
+  const bool half_idle = 2 * tiles <= turns, quarter_idle = 4 * tiles < 3 * turns;
+  const bool range_first =
+      K <= 3 ? M <= 15
+             : (M <= 10 && (items_per_warp >= 24 || quarter_idle) && !(K == 5 && items_per_warp < 4)) ||
+                   (M <= 14 && half_idle && items_per_warp >= 4) || (M <= 16 && half_idle && items_per_warp >= 24);
   // 1..2 tiles per SM: the batched kernel from M = 41 (K != 5) on layers of many items per warp (4096x14336). On small
   // ones (< 2 items per warp: 4096x4096, 3072x3072) also at M > 32 for K = 3, M = 16..40 for K = 4 and M = 16 for K = 5
   // (H100, sixteenth session, docs/results/short_epilogue/run7-9: both kernels forced, then the rules against each
@@ -1288,7 +1306,9 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
 template <int K, typename TO>
 int dequantize_tiled_go(const void* wt, const void* at, const float* scale, const float* codebook, int64_t out,
                         int64_t in, void* y, cudaStream_t st) {
-  dequant_tiled_kernel<K, TO><<<grid_for_threads(out * in / 16), 256, 0, st>>>(
+  // up to 64 blocks per SM, grid-stride beyond (grid_for_threads' 16: H100 83-88% of copy -> 87-90%, H200 77-81% ->
+  // 82-86%; 128: H100 88-92%, H200 76-83%; twenty-first session, docs/results/dq_stream)
+  dequant_tiled_kernel<K, TO><<<grid_for_threads(out * in / 16, 256, 64), 256, 0, st>>>(
       (const uint8_t*)wt, (const uint8_t*)at, scale, codebook, out, (int)in, (TO*)y);
   return (int)cudaGetLastError();
 }

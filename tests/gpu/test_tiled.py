@@ -58,6 +58,21 @@ def test_dequantize_tiled_is_bitwise_the_bit_plane_kernel(shape, dtype, k):
     assert torch.equal(torch.ops.kbit.dequantize(wt, at, s, cb, k, shape[1], dtype), got)
 
 
+@pytest.mark.parametrize("k", fmt.TILED_K)
+def test_dequantize_grid_stride(k):
+    """8192 x 8192: both dequantize kernels cap their grids (K = 3..5 bit planes at 64 blocks per SM, the tiled
+    kernel at 64), so most threads take two or more blocks; both bitwise the reference."""
+    cuda = _cuda()
+    g = torch.Generator(device="cuda").manual_seed(k)
+    w = torch.randn(8192, 8192, device="cuda", generator=g, dtype=torch.bfloat16)
+    cb = fmt.nf0_codebook(k).cuda()
+    p, a, s = cuda.quantize(w, cb, k, "e4m4")
+    want = reference.dequantize(p, a, s, cb, k, 8192).to(torch.bfloat16)
+    assert torch.equal(cuda.dequantize(p, a, s, cb, k, 8192, torch.bfloat16), want)
+    wt, at = cuda.tile(p, a, 8192, k)
+    assert torch.equal(cuda.dequantize(wt, at, s, cb, k, 8192, torch.bfloat16), want)
+
+
 @pytest.fixture(params=("auto", "range", "batch"))
 def tiled_kernel(request, monkeypatch):
     """The tiled GEMV kernel: the library's choice, or forced (csrc/kbit_api.h, kbit_gemv_tiled)."""
