@@ -1248,12 +1248,12 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
 // The range kernel then wins where the batched kernel's warps are at most half busy and the range kernel has >= 4
 // items per warp (8192x8192, 8192x28672: 0.78-0.99x its time at M = 9..14; 8192x28672, of >= 24 items per warp, also
 // at M = 16: 0.86-0.99x); at M = 9, 10 where they are under 3/4 busy (6144x4096 K = 4: 0.85-0.94x), except K = 5 on
-// fewer than 4 items per warp (6144x4096: 0.94-1.16x); and on layers of >= 24 items per warp (28672x8192,
-// 128256x4096) up to M = 14 for K = 4 (0.87-0.92x at M = 9, 10, 0.96-1.04x at 12, 14, where in auto mode the batched
-// kernel was 0.95-0.98x on the H100), up to M = 12 for K = 5 (0.88-0.91x at 9, 10, 0.94-1.00x at 12; at M = 11 the
-// batched kernel took 1.09-1.11x the range kernel's time on 128256x4096, at 14 0.94-0.97x). Elsewhere the two were
-// even or the batched kernel faster (14336x4096 at M = 9, 10: 0.97-1.17x; 6144x4096 K = 4 at M = 12, 14:
-// 0.95-1.04x). Otherwise
+// fewer than 4 items per warp (6144x4096: 0.94-1.16x); and up to M = 14 on layers of >= 24 items per warp
+// (28672x8192, 128256x4096; the fourteenth session's rule for K = 4, and for K = 5 from 48): 0.87-0.92x at M = 9, 10,
+// 0.94-1.06x at 12, 14. Near M = 14 the two GPUs part: in auto mode the batched kernel at M = 12..14 took 1.01-1.05x
+// the range kernel's time on the H100 for K = 4 and 0.97-1.03x for K = 5 (128256x4096), on the H200 1.05-1.09x (K = 5,
+// 128256x4096 at M = 13, 14); at M = 11 1.09-1.14x (K = 5, H100). Elsewhere the two were even or the
+// batched kernel faster (14336x4096 at M = 9, 10: 0.97-1.17x; 6144x4096 K = 4 at M = 12, 14: 0.95-1.04x). Otherwise
 // the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their accumulators need the registers), and launches of 32
 // tokens above. kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE / KBIT_TILED_BATCH to force one (tests).
 template <typename T, int K>
@@ -1271,8 +1271,8 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
   const bool many = items_per_warp >= 24;
   const bool range_first =
       K <= 3 ? M <= 15
-             : (M <= (K == 4 ? 14 : 12) && many) || (M <= 10 && quarter_idle && !(K == 5 && items_per_warp < 4)) ||
-                   (M <= 14 && half_idle && items_per_warp >= 4) || (M <= 16 && half_idle && many);
+             : (M <= 14 && (many || (half_idle && items_per_warp >= 4))) ||
+                   (M <= 10 && quarter_idle && !(K == 5 && items_per_warp < 4)) || (M <= 16 && half_idle && many);
   // 1..2 tiles per SM: the batched kernel from M = 41 (K != 5) on layers of many items per warp (4096x14336). On small
   // ones (< 2 items per warp: 4096x4096, 3072x3072) also at M > 32 for K = 3, M = 16..40 for K = 4 and M = 16 for K = 5
   // (H100, sixteenth session, docs/results/short_epilogue/run7-9: both kernels forced, then the rules against each
