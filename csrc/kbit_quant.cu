@@ -110,10 +110,10 @@ __global__ void quant_scale_kernel(float* scale, int64_t E) {
 }
 
 // ---- dequantize ----
-// The block's K words. K = 3..5 load them as streaming loads (ld.global.cs, evict first): on the H200 K = 3 went from
-// 79-81% to 87-88% of copy, K = 4 from 81-83% to 89-90%, with two blocks per thread (the grid cap below) K = 5 from
-// 77-78% to 86-87%; on the H100 1.01-1.05x (twenty-first session, docs/results/dq_stream). K = 2 keeps the
-// ordinary load: its streaming loads measured about 2% slower on the H200.
+// The block's K words. K = 3..5 load them as streaming loads (ld.global.cs, evict first): with the grid cap below, on
+// the H200 K = 3 went from 80% to 88-90% of copy, K = 4 from 81-82% to 89-90%, K = 5 from 78% to 88%; on the H100
+// 1.01-1.05x (twenty-first session, docs/results/dq_stream runs 7, 8, 11). K = 2 keeps the ordinary load: on the H200
+// its streaming loads read 81.7-86.8% of copy (mean 85.0%, 18 readings), the ordinary ones 82.4-88.4% (86.0%, 12).
 template <int K>
 __device__ __forceinline__ void load_block_words(const uint32_t* __restrict__ p, uint32_t (&wd)[5]) {
   if constexpr (K == 4) {
@@ -135,7 +135,7 @@ __device__ __forceinline__ void load_block_words(const uint32_t* __restrict__ p,
 // and a grid of up to 128 blocks per SM (K = 3..5: 64), grid-stride beyond: 89-93% of the SM copy on an H100 for
 // K = 2..5, against 80-85% with 4 threads per block, two items per thread and 32 blocks per SM
 // (docs/kernels_history.md, "Dequantize: two threads per block"). K = 3..5 take 64 since their streaming loads
-// (load_block_words): with 128, K = 5 reached only 81-83% of copy on the H200, with 64 86-87%; K = 2 with 64 read
+// (load_block_words): with 128, K = 5 reached only 81-84% of copy on the H200, with 64 86-88%; K = 2 with 64 read
 // 83-84% against 82-88% with 128 (twenty-first session, docs/results/dq_stream).
 template <int K, typename TO, bool DENSE>
 __global__ void __launch_bounds__(256) dequant_kernel(const uint32_t* __restrict__ packed, const void* __restrict__ absmax,
