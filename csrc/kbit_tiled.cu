@@ -1311,7 +1311,7 @@ template <int K, typename TO>
 int dequantize_tiled_go(const void* wt, const void* at, const float* scale, const float* codebook, int64_t out,
                         int64_t in, void* y, cudaStream_t st) {
   // up to 64 blocks per SM, grid-stride beyond (grid_for_threads' 16: H100 84-86% of copy -> 88-90%, H200 78-83% ->
-  // 82-87%; 128: H100 88-92%, H200 76-83%; twenty-first session, docs/results/dq_stream runs 5-8, 11)
+  // 82-87%; 128: H100 88-92%, H200 76-84%; twenty-first session, docs/results/dq_stream runs 4-8, 11)
   dequant_tiled_kernel<K, TO><<<grid_for_threads(out * in / 16, 256, 64), 256, 0, st>>>(
       (const uint8_t*)wt, (const uint8_t*)at, scale, codebook, out, (int)in, (TO*)y);
   return (int)cudaGetLastError();
