@@ -232,12 +232,8 @@ int dequant_launch(const uint32_t* packed, const void* absmax, int fp16, const f
   const int64_t threads_needed = E * out * nb * 2;
   if (threads_needed == 0) return 0;
   int vec = (in % 8 == 0) && ((reinterpret_cast<uintptr_t>(y) & 15) == 0);
-  int dev = 0, sms = 132;
-  current_device_sms(dev, sms);
-  int64_t blocks = (threads_needed + 255) / 256;
   // grid-stride beyond (8192^2 elements on 132 SMs: K = 2 one item per thread, K = 3..5 two; see dequant_kernel)
-  int64_t cap = (int64_t)sms * (K == 2 ? 128 : 64);
-  if (blocks > cap) blocks = cap;
+  const int blocks = grid_for_threads(threads_needed, 256, K == 2 ? 128 : 64);
   if (vec && E == 1 && in % BLOCK == 0)
     dequant_kernel<K, TO, true><<<(unsigned)blocks, 256, 0, st>>>(packed, absmax, fp16, scale, cb, E, out, in, nb,
                                                                    reinterpret_cast<TO*>(y), vec);

@@ -1242,20 +1242,17 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
 // 6144x4096 to 128256x4096: 0.47-0.97x at M = 9..14; from 12 items per warp before). K = 2, 3 also at M = 15
 // (twentieth session, four and five shapes: 0.48-0.99x on the H200, 0.79-1.03x on the H100); at M = 16 the batched
 // kernel was faster on 14336x4096 (the range kernel 1.02-1.12x its time on both GPUs), so it keeps M = 16.
-// K = 4, 5 since the twenty-first session (both forced, M = 9, 10, 12, 14, 16, seven shapes from 6144x4096 to
-// 128256x4096, H100 and H200, docs/results/dq_stream): the batched kernel gives each of its 8 consumer warps one tile
-// at a time, so with 2..4 tiles per SM half its warps or more idle, while the range kernel splits the items evenly.
-// The range kernel then wins where the batched kernel's warps are at most half busy and the range kernel has >= 4
-// items per warp (8192x8192, 8192x28672: 0.78-0.99x its time at M = 9..14; 8192x28672, of >= 24 items per warp, also
-// at M = 16: 0.86-0.99x); at M = 9, 10 where they are under 3/4 busy (6144x4096 K = 4: 0.85-0.94x), except K = 5 on
-// fewer than 4 items per warp (6144x4096: 0.94-1.16x); and up to M = 14 on layers of >= 24 items per warp
-// (28672x8192, 128256x4096; the fourteenth session's rule for K = 4, and for K = 5 from 48): 0.87-0.92x at M = 9, 10,
-// 0.94-1.06x at 12, 14. Near M = 14 the two GPUs part: in auto mode the batched kernel at M = 12..14 took 1.01-1.05x
-// the range kernel's time on the H100 for K = 4 and 0.97-1.03x for K = 5 (128256x4096), on the H200 1.05-1.09x (K = 5,
-// 128256x4096 at M = 13, 14); at M = 11 1.09-1.14x (K = 5, H100). Elsewhere the two were even or the
-// batched kernel faster (14336x4096 at M = 9, 10: 0.97-1.17x; 6144x4096 K = 4 at M = 12, 14: 0.95-1.04x). Otherwise
-// the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their accumulators need the registers), and launches of 32
-// tokens above. kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE / KBIT_TILED_BATCH to force one (tests).
+// K = 4, 5 since the twenty-first session (both kernels forced on seven shapes, M = 9..16, H100 and H200; the table in
+// docs/results/dq_stream/README.md): the batched kernel gives each of its 8 consumer warps one tile at a time, so on
+// layers of 2..4 tiles per SM half its warps or more idle, while the range kernel splits the items evenly. So the range
+// kernel also runs where at most half of those warps have a tile and it has >= 4 items per warp (8192x8192, 8192x28672:
+// 0.78-0.99x the batched kernel's time at M = 9..14; at M = 16 with >= 24 items per warp, 8192x28672: 0.86-0.99x), at
+// M = 9, 10 where under 3/4 have one (6144x4096 K = 4: 0.85-0.94x; not K = 5 below 4 items per warp: 0.94-1.16x), and
+// for K = 5 as for K = 4 up to M = 14 on layers of >= 24 items per warp (28672x8192, 128256x4096: 0.87-0.92x at
+// M = 9, 10; 0.94-1.06x at 12, 14, where in auto mode the H100 and the H200 disagreed by a few percent either way).
+// 14336x4096 keeps the batched kernel (the range kernel 0.97-1.17x its time at M = 9, 10). Otherwise the range kernel:
+// 16 warps for M <= 16, 8 for M <= 32 (their accumulators need the registers), and launches of 32 tokens above. kernel:
+// KBIT_TILED_AUTO, or KBIT_TILED_RANGE / KBIT_TILED_BATCH to force one (tests).
 template <typename T, int K>
 int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                       const T* bias, int64_t out, int64_t in, T* y, int kernel, cudaStream_t st) {
