@@ -404,8 +404,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-// named barrier of the n threads of one k split (ids 1..8; 0 is __syncthreads)
-__device__ __forceinline__ void bar_group(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n)); }
 
 // stage the activations of tokens < M, columns 256 st .. 256 st + 255 (all inside the row, x 16-byte aligned)
 template <typename T, int NT>
@@ -651,7 +649,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
         if (st + W < nfs) stage_x<T, NT>(xs0 + ((it + 1) & 1) * XS_STAGE, xr, in, M, st + W, gl, gn);
         cp_async_commit();
         cp_async_wait<1>();
-        bar_group(1 + warp, gn);
+        bar_group(1 + warp, gn);  // the n threads of one k split (ids 1..8)
         compute_step_nt<K, T, false, NT, MODE>(cur, xg, xs0 + (it & 1) * XS_STAGE, M, g, fp16, st * STEP, q, nb,
                                                in, c4, tb, tl, th, acc);
         bar_group(1 + warp, gn);

@@ -90,22 +90,45 @@ __host__ __device__ constexpr uint32_t ring_end(uint32_t nslots) {
 // ring (where a slot past the last would go), unless that is below the table and the region would run into it; then
 // after the ring's end. Kept out of the space above the table where possible: more shared memory leaves less L1 for
 // the activations (a 32 KB region there cost up to 15% at M = 32, sixteenth session).
+// (The batched kernel's split partials go the same way: partials_addr.)
+template <uint32_t TEND, uint32_t SB>
+constexpr uint32_t partials_addr(uint32_t nslots, uint32_t bytes) {
+  const uint32_t after = ring_addr<TEND, SB>(nslots);
+  return after >= TABLE || after + bytes <= TABLE ? after : ring_end<TEND, SB>(nslots);
+}
+// the end of a shared window of nslots ring slots and such a region of partials
+template <uint32_t TEND, uint32_t SB>
+constexpr uint32_t window_end(uint32_t nslots, uint32_t bytes) {
+  const uint32_t ring = ring_end<TEND, SB>(nslots), red = partials_addr<TEND, SB>(nslots, bytes) + bytes;
+  return ring > red ? ring : red;
+}
 template <int NW, int NT>
 constexpr uint32_t range_partials_bytes() {
   return NW * 2 * NT * 512;
 }
 template <int K, int NW, int S, int NT>
 constexpr uint32_t range_partials() {
-  constexpr uint32_t TEND = table_end<K, true>(), after = ring_addr<TEND, Tiled<K>::ITEM>(NW * S);
-  return after >= TABLE || after + range_partials_bytes<NW, NT>() <= TABLE ? after
-                                                                            : ring_end<TEND, Tiled<K>::ITEM>(NW * S);
+  return partials_addr<table_end<K, true>(), Tiled<K>::ITEM>(NW * S, range_partials_bytes<NW, NT>());
 }
 // the end of the range kernel's shared window
 template <int K, int NW, int S, int NT>
 constexpr uint32_t range_smem_end() {
-  constexpr uint32_t ring = ring_end<table_end<K, true>(), Tiled<K>::ITEM>(NW * S);
-  constexpr uint32_t red = range_partials<K, NW, S, NT>() + range_partials_bytes<NW, NT>();
-  return ring > red ? ring : red;
+  return window_end<table_end<K, true>(), Tiled<K>::ITEM>(NW * S, range_partials_bytes<NW, NT>());
+}
+// The batched kernel's ring of XS stages and, when SPLIT warps share each tile, their partial sums: [NW warps][NT] x
+// 512 bytes
+template <int NW, int NT, int SPLIT>
+constexpr uint32_t batch_partials_bytes() {
+  return SPLIT > 1 ? NW * NT * 512 : 0;
+}
+template <int K, int NW, int XS, int NT, int SPLIT>
+constexpr uint32_t batch_partials() {
+  return partials_addr<table_end<K, false>(), batch_stage_bytes<K, NW, NT>()>(XS,
+                                                                             batch_partials_bytes<NW, NT, SPLIT>());
+}
+template <int K, int NW, int XS, int NT, int SPLIT>
+constexpr uint32_t batch_smem_end() {
+  return window_end<table_end<K, false>(), batch_stage_bytes<K, NW, NT>()>(XS, batch_partials_bytes<NW, NT, SPLIT>());
 }
 
 __device__ __forceinline__ uint32_t lds_at(uint32_t addr) {
@@ -219,6 +242,56 @@ __device__ __forceinline__ void load_item_words(uint32_t sl, int lane, uint32_t 
       const uint2 v = lds64_at(sl + c * Tiled<K>::CHUNK_W + 32 * 32 + lane * 8);
       w[16 + 2 * c] = v.x;
       w[17 + 2 * c] = v.y;
+    }
+  }
+}
+// The words of the blocks that one of SPLIT warps sharing an item decodes, placed as blocks 0 .. 8 / SPLIT - 1 of
+// load_item_words' array (so lookup_block takes them with compile-time indices): SPLIT = 2, part p: chunk p;
+// SPLIT = 4, part p: blocks 2 (p & 1), + 1 of chunk p / 2 (a K = 3 block pair, k3_byte).
+template <int K, int SPLIT>
+__device__ __forceinline__ void load_part_words(uint32_t sl, int part, int lane, uint32_t (&w)[Tiled<K>::WORDS]) {
+  if constexpr (SPLIT == 1) {
+    load_item_words<K>(sl, lane, w);
+  } else {
+    static_assert(SPLIT == 2 || SPLIT == 4, "an item's 8 blocks split over 2 or 4 warps");
+    constexpr int KL = K == 5 ? 4 : K;
+    const uint32_t cs = sl + (uint32_t)(SPLIT == 2 ? part : part >> 1) * Tiled<K>::CHUNK_W;  // the chunk
+    const uint32_t pr = SPLIT == 2 ? 0u : (uint32_t)(part & 1);                              // the block pair
+    constexpr uint32_t PB = 16 * KL / SPLIT;  // bytes of a part per lane: a chunk's 8 KL, or half of them
+    const uint32_t a = cs + lane * 8 * KL + pr * PB;
+    if constexpr (K == 3) {
+#pragma unroll
+      for (int i = 0; i < 3; ++i) {
+        if constexpr (SPLIT == 2) {
+          const uint2 v = lds64_at(a + 8 * i);
+          w[2 * i] = v.x;
+          w[2 * i + 1] = v.y;
+        } else {  // 12 bytes, 4-byte aligned
+          w[i] = lds_at(a + 4 * i);
+        }
+      }
+    } else if constexpr (PB == 8) {  // K = 2, SPLIT = 4
+      const uint2 v = lds64_at(a);
+      w[0] = v.x;
+      w[1] = v.y;
+    } else {
+#pragma unroll
+      for (int i = 0; i < (int)PB / 16; ++i) {
+        const uint4 v = lds128_at(a + 16 * i);
+        w[4 * i] = v.x;
+        w[4 * i + 1] = v.y;
+        w[4 * i + 2] = v.z;
+        w[4 * i + 3] = v.w;
+      }
+    }
+    if constexpr (K == 5) {  // the part's words of high bits (k5_high_bit: word b / 2 of the chunk's two)
+      if constexpr (SPLIT == 2) {
+        const uint2 v = lds64_at(cs + 32 * 32 + lane * 8);
+        w[16] = v.x;
+        w[17] = v.y;
+      } else {
+        w[16] = lds_at(cs + 32 * 32 + lane * 8 + 4 * pr);
+      }
     }
   }
 }
@@ -805,11 +878,14 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 // step v, one producer warp fills a stage of the shared ring with columns 256 v .. 256 v + 255 of every token
 // (cp.async, 16 bytes a lane, rows of 576 bytes: 512 + 64 keep the consumers' 16-byte reads conflict-free) and item
 // v of each active tile (bulk copies); NW consumer warps each own one tile for the whole k range (rounds of NW tiles)
-// and read the shared activations. No partial sums cross warps: each warp stores its tile. A stage: [NT * 8 token rows]
+// and read the shared activations, and each warp stores its tile. Where the CTAs have few tiles (SPLIT > 1,
+// gemv_tiled_batch_split) SPLIT warps share a tile, each decoding 8 / SPLIT of every item's 8 blocks (a chunk or a
+// block pair), and after the k range the first adds the others' partial sums in order (shared memory, a barrier of
+// the consumer warps; rounds of NW / SPLIT tiles). A stage: [NT * 8 token rows]
 // [NW items' weights] [NW items' scales]; full barrier: the producer's expect_tx arrival and its 32 lanes' cp.async
 // arrivals; empty barrier: the NW consumer warps. K = 5 uses its 64 KB table of 16 replicas here (table_end): with the
 // 128 KB one only 4 consumer warps' stages fit, which ran 1.05-1.54x slower (docs/results/tiled_k5, run 3).
-template <typename T, int K, int NW, int XS, int NT>
+template <typename T, int K, int NW, int XS, int NT, int SPLIT>
 __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(const T* __restrict__ x, int M,
                                                                               const uint8_t* __restrict__ wt,
                                                                               const uint8_t* __restrict__ at,
@@ -827,12 +903,13 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr uint32_t TEND = table_end<K, false>();
   pdl_launch_dependents();
-  const TiledCta cta(smem, ring_end<TEND, STAGE>(XS), out);
+  constexpr int TPR = NW / SPLIT, BPW = 8 / SPLIT;  // tiles per round; blocks of each item per consumer warp
+  const TiledCta cta(smem, batch_smem_end<K, NW, XS, NT, SPLIT>(), out);
   unsigned char* win = cta.win;
   const int lane = cta.lane, warp = cta.warp, g = lane >> 2, q = lane & 3;
   const int64_t t0 = cta.t0, t1 = cta.t1;
   const int IPT = in / 256;
-  const int ntc = (int)(t1 - t0), rounds = (ntc + NW - 1) / NW;
+  const int ntc = (int)(t1 - t0), rounds = (ntc + TPR - 1) / TPR;
   if (threadIdx.x == 0) {
     for (int s = 0; s < XS; ++s) {
       mbar_init(FULL + 8 * s, 33);
@@ -851,13 +928,13 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
       const uint32_t s = j % XS, st = ring_addr<TEND, STAGE>(s);
       if (j >= XS) mbar_wait(EMPTY + 8 * s, (j / XS - 1) & 1);
       fence_proxy_async();  // the consumers' reads of this stage before the bulk copies' writes
-      const int na = min(NW, ntc - r * NW);
+      const int na = min(TPR, ntc - r * TPR);
       if (lane == 0) mbar_expect_tx(FULL + 8 * s, na * L::ITEM);
       __syncwarp();
       for (int m = 0; m < M; ++m) cp_async16(st + m * XROW + 16 * lane, xb + ((int64_t)m * in + 256 * v) * sizeof(T));
       cp_async_arrive(FULL + 8 * s);
       if (lane < na) {
-        const int64_t item = (t0 + r * NW + lane) * IPT + v;
+        const int64_t item = (t0 + r * TPR + lane) * IPT + v;
         bulk_copy(st + XB + lane * L::ITEM_W, wt + item * L::ITEM_W, L::ITEM_W, FULL + 8 * s);
         bulk_copy(st + XB + NW * L::ITEM_W + lane * ITEM_A, at + item * ITEM_A, ITEM_A, FULL + 8 * s);
       }
@@ -869,9 +946,13 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
     return;
   }
   const uint32_t cl = table_lane<K, false>(lane);
+  // SPLIT > 1: warps tw SPLIT .. tw SPLIT + SPLIT - 1 share tile slot tw, part p taking blocks p BPW .. p BPW + BPW - 1
+  // of each item (load_part_words)
+  const int tw = warp / SPLIT, part = warp % SPLIT;
+  const uint32_t red = batch_partials<K, NW, XS, NT, SPLIT>() + warp * (NT * 512) + lane * 16;
   int j = 0;
   for (int r = 0; r < rounds; ++r) {
-    const bool active = r * NW + warp < ntc;
+    const bool active = r * TPR + tw < ntc;
     float acc[NT][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -881,18 +962,27 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
       const uint32_t s = j % XS, st = ring_addr<TEND, STAGE>(s);
       mbar_wait(FULL + 8 * s, (j / XS) & 1);
       if (active) {
-        const uint32_t iw = st + XB + warp * L::ITEM_W, ia = st + XB + NW * L::ITEM_W + warp * ITEM_A;
+        const uint32_t iw = st + XB + tw * L::ITEM_W, ia = st + XB + NW * L::ITEM_W + tw * ITEM_A;
         uint32_t w[L::WORDS];
-        load_item_words<K>(iw, lane, w);
-        const uint32_t sa[4] = {lds_at(ia + g * 4), lds_at(ia + (g + 8) * 4), lds_at(ia + 64 + g * 4),
-                                lds_at(ia + 64 + (g + 8) * 4)};
+        load_part_words<K, SPLIT>(iw, part, lane, w);
+        // the block scales of the part's chunk(s): sa[2 c], sa[2 c + 1] rows g, g + 8 of chunk c (SPLIT > 1: c = 0 is
+        // the part's chunk)
+        const uint32_t ca = ia + (SPLIT == 1 ? 0u : 64u * (uint32_t)(part * BPW / 4));
+        uint32_t sa[4];
+        sa[0] = lds_at(ca + g * 4);
+        sa[1] = lds_at(ca + (g + 8) * 4);
+        if constexpr (SPLIT == 1) {
+          sa[2] = lds_at(ca + 64 + g * 4);
+          sa[3] = lds_at(ca + 64 + (g + 8) * 4);
+        }
+        const int kb0 = part * BPW;  // the part's first block of the item (0 when SPLIT = 1)
 #pragma unroll
-        for (int kb = 0; kb < 8; ++kb) {  // block kb of the item: chunk kb / 4, block kb % 4
-          const int bb = kb & 3;
-          const uint32_t p0 = TiledScales<T>::a_scale((sa[kb < 4 ? 0 : 2] >> (8 * bb)) & 0xFFu);  // rows g
-          const uint32_t p1 = TiledScales<T>::a_scale((sa[kb < 4 ? 1 : 3] >> (8 * bb)) & 0xFFu);  // rows g + 8
+        for (int kl = 0; kl < BPW; ++kl) {  // block kb0 + kl of the item: chunk (kb0 + kl) / 4, block (kb0 + kl) % 4
+          const int kb = kb0 + kl, bb = kb & 3, ch = SPLIT == 1 ? kl / 4 : 0;
+          const uint32_t p0 = TiledScales<T>::a_scale((sa[2 * ch] >> (8 * bb)) & 0xFFu);      // rows g
+          const uint32_t p1 = TiledScales<T>::a_scale((sa[2 * ch + 1] >> (8 * bb)) & 0xFFu);  // rows g + 8
           uint32_t A[2][4];
-          lookup_block<K, false>(w, kb, cl, A);
+          lookup_block<K, false>(w, kl, cl, A);
 #pragma unroll
           for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -910,11 +1000,37 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
       __syncwarp();
       if (lane == 0) mbar_arrive(EMPTY + 8 * s);
     }
-    if (active) {
+    if constexpr (SPLIT > 1) {
+      // parts 1.. leave their sums in their region; after a barrier of the consumer warps, part 0 adds them in part
+      // order (deterministic) and stores the tile; a second barrier before the next round's sums
+      if (active && part > 0) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          if (8 * nt < M) sts128_at(red + nt * 512, acc[nt]);
+      }
+      bar_group(1, NW * 32);
+      if (active && part == 0) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          if (8 * nt < M) {
+#pragma unroll
+            for (int p = 1; p < SPLIT; ++p) {
+              const float4 o = lds_f4_if(red + p * (NT * 512) + nt * 512, true);
+              acc[nt][0] += o.x;
+              acc[nt][1] += o.y;
+              acc[nt][2] += o.z;
+              acc[nt][3] += o.w;
+            }
+          }
+        }
+      }
+      if (r + 1 < rounds) bar_group(1, NW * 32);
+    }
+    if (active && part == 0) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
         if (8 * nt < M)
-          store_tile<T>(y, bias, out, M, t0 + r * NW + warp, nt, lane, sc, acc[nt], TiledScales<T>::A_POST);
+          store_tile<T>(y, bias, out, M, t0 + r * TPR + tw, nt, lane, sc, acc[nt], TiledScales<T>::A_POST);
     }
   }
 }
@@ -1079,10 +1195,15 @@ __global__ void untile_kernel(const uint8_t* __restrict__ wt, const uint8_t* __r
 
 // tiled -> dense weights in TO, bitwise the values of dequant_kernel ((cb * d) * scale in fp32, one rounding): one
 // thread per (tile, chunk, lane, block), i.e. 8 consecutive elements of two rows (2 K bytes)
+// 16-bit outputs: 8 blocks of 256 threads per SM (32 registers, with the pairs packed as they are made; 40 registers
+// and 6 blocks before). H200 (twenty-second session, docs/results/batch_split runs 1, 4, 7, six readings each):
+// K = 2, 3 80.4-82.2% of copy -> 83.2-86.0%, K = 5 82.1-83.8% -> 82.6-86.5%, K = 4 (and its grid below) 85.2-86.9% ->
+// 86.5-88.7%; H100 unchanged (86.3-90.7%). The early packing alone (6 blocks) was slower: 76.7-82.3%.
 template <int K, typename TO>
-__global__ void dequant_tiled_kernel(const uint8_t* __restrict__ wt, const uint8_t* __restrict__ at,
-                                     const float* __restrict__ scale, const float* __restrict__ codebook, int64_t out,
-                                     int in, TO* __restrict__ y) {
+__global__ void __launch_bounds__(256, sizeof(TO) == 2 ? 8 : 1)
+    dequant_tiled_kernel(const uint8_t* __restrict__ wt, const uint8_t* __restrict__ at,
+                         const float* __restrict__ scale, const float* __restrict__ codebook, int64_t out, int in,
+                         TO* __restrict__ y) {
   constexpr int KB = byte_bits<K>();
   const int C = in / 128;
   const float sc = scale[0];
@@ -1103,10 +1224,25 @@ __global__ void dequant_tiled_kernel(const uint8_t* __restrict__ wt, const uint8
     const int g = l >> 2, q = l & 3;
     const uint32_t s0 = at[(tc * 16 + g) * 4 + b], s1 = at[(tc * 16 + g + 8) * 4 + b];
     const float d[2] = {e4m4_decode(s0), e4m4_decode(s1)};
-    float v[2][8];  // [row g / g + 8][element 8 q + ..] (compile-time indices only: v stays in registers)
+    // [row g / g + 8][element 8 q + ..] (compile-time indices only: they stay in registers). 16-bit outputs are packed
+    // in pairs as soon as a pair is made (put is called for e even, then e + 1): 8 live registers instead of 16
+    float v[2][8];
+    uint32_t pk[2][4];
+    float even = 0.f;
     auto put = [&](int rh, int e, uint32_t idx) {
       const float c = __shfl_sync(0xFFFFFFFFu, cb, (int)idx);
-      v[rh][e] = __fmul_rn(__fmul_rn(c, d[rh]), sc);
+      const float val = __fmul_rn(__fmul_rn(c, d[rh]), sc);
+      if constexpr (sizeof(TO) == 2) {
+        if (e & 1) {
+          TO lo = Cvt<TO>::from_f(even), hi = Cvt<TO>::from_f(val);
+          pk[rh][e >> 1] =
+              (uint32_t)(*reinterpret_cast<uint16_t*>(&lo)) | ((uint32_t)(*reinterpret_cast<uint16_t*>(&hi)) << 16);
+        } else {
+          even = val;
+        }
+      } else {
+        v[rh][e] = val;
+      }
     };
     if constexpr (K == 3) {  // the block pair's three words (k3_byte); an odd block reads its word and k3_spare's
       const uint32_t* lw = reinterpret_cast<const uint32_t*>(wt + tc * Tiled<K>::CHUNK_W + l * 24 + 12 * (b >> 1));
@@ -1151,13 +1287,7 @@ __global__ void dequant_tiled_kernel(const uint8_t* __restrict__ wt, const uint8
     for (int row = 0; row < 2; ++row) {
       TO* dst = y + (16 * t + g + 8 * row) * (int64_t)in + 128 * c + 32 * b + 8 * q;
       if constexpr (sizeof(TO) == 2) {
-        uint32_t pk[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          TO lo = Cvt<TO>::from_f(v[row][2 * k]), hi = Cvt<TO>::from_f(v[row][2 * k + 1]);
-          pk[k] = (uint32_t)(*reinterpret_cast<uint16_t*>(&lo)) | ((uint32_t)(*reinterpret_cast<uint16_t*>(&hi)) << 16);
-        }
-        *reinterpret_cast<uint4*>(dst) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+        *reinterpret_cast<uint4*>(dst) = make_uint4(pk[row][0], pk[row][1], pk[row][2], pk[row][3]);
       } else {
         *reinterpret_cast<float4*>(dst) = make_float4(v[row][0], v[row][1], v[row][2], v[row][3]);
         *reinterpret_cast<float4*>(dst + 4) = make_float4(v[row][4], v[row][5], v[row][6], v[row][7]);
@@ -1213,20 +1343,40 @@ int gemv_tiled_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const
                      bias, out, (int)in, y);
 }
 
-// The batched kernel's launch: NW consumer warps and a producer warp, XS stages.
-template <typename T, int K, int NW, int XS, int NT>
+// The batched kernel's launch: NW consumer warps and a producer warp, XS stages, SPLIT consumer warps per tile.
+template <typename T, int K, int NW, int XS, int NT, int SPLIT>
 int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                         const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
   static bool attr_set[64] = {};
-  const int dyn = (int)ring_end<table_end<K, false>(), batch_stage_bytes<K, NW, NT>()>(XS);
+  constexpr uint32_t dyn = batch_smem_end<K, NW, XS, NT, SPLIT>();
+  static_assert(dyn <= 227 * 1024, "the batched kernel's shared window exceeds sm_90's 227 KB");
   if (!attr_set[dev]) {
-    const cudaError_t e = cudaFuncSetAttribute(gemv_tiled_batch_kernel<T, K, NW, XS, NT>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
+    const cudaError_t e = cudaFuncSetAttribute(gemv_tiled_batch_kernel<T, K, NW, XS, NT, SPLIT>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn);
     if (e != cudaSuccess) return (int)e;
     attr_set[dev] = true;
   }
-  return launch_gemv(gemv_tiled_batch_kernel<T, K, NW, XS, NT>, (unsigned)sms, (NW + 1) * 32, dyn, st, x, M, wt, at,
-                     scale, cb, bias, out, (int)in, y);
+  return launch_gemv(gemv_tiled_batch_kernel<T, K, NW, XS, NT, SPLIT>, (unsigned)sms, (NW + 1) * 32, (int)dyn, st, x,
+                     M, wt, at, scale, cb, bias, out, (int)in, y);
+}
+// SPLIT warps per tile where the CTAs have too few tiles for their NW consumer warps: 4 where the busiest CTA has at
+// most NW / 4 tiles (4096x14336, 4096x4096 on 132 SMs), and for K = 5 at NT = 8 2 where it has at most NW / 2
+// (8192x8192, 6144x4096), else 1. split > 0 forces one (tests). Forced (twenty-second session,
+// docs/results/batch_split runs 2-4), against 1: SPLIT = 4 1.00-1.39x on 4096x4096 (M = 9..40, both GPUs) and
+// 1.04-1.47x on 4096x14336 (M = 9..64, H100); SPLIT = 2 for K = 5 at M = 33..64 1.08-1.22x (both GPUs), but for
+// K = 2..4 0.94-1.01x there and for K = 5 at M <= 32 0.92-0.97x (H100). Not profiled; K = 5's lookups conflict 2-way
+// in this kernel (table_end), which more warps may hide.
+template <typename T, int K, int NW, int XS, int NT>
+int gemv_tiled_batch_split(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
+                           const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, int split,
+                           cudaStream_t st) {
+  const int64_t most = (out / 16 + sms - 1) / sms;  // tiles of the busiest CTA (TiledCta: an even split)
+  if (split == 0) split = 4 * most <= NW ? 4 : K == 5 && NT == 8 && 2 * most <= NW ? 2 : 1;
+  if (split == 4)
+    return gemv_tiled_batch_go<T, K, NW, XS, NT, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  if (split == 2)
+    return gemv_tiled_batch_go<T, K, NW, XS, NT, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  return gemv_tiled_batch_go<T, K, NW, XS, NT, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
 }
 
 // Which kernel, by the H100 measurements of docs/kernels_history.md (tenth to twelfth sessions). M <= 8:
@@ -1270,24 +1420,30 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
       K <= 3 ? M <= 15
              : (M <= 14 && (many || (half_idle && items_per_warp >= 4))) ||
                    (M <= 10 && quarter_idle && !(K == 5 && items_per_warp < 4)) || (M <= 16 && half_idle && many);
-  // 1..2 tiles per SM: the batched kernel from M = 41 (K != 5) on layers of many items per warp (4096x14336). On small
-  // ones (< 2 items per warp: 4096x4096, 3072x3072) also at M > 32 for K = 3, M = 16..40 for K = 4 and M = 16 for K = 5
-  // (H100, sixteenth session, docs/results/short_epilogue/run7-9: both kernels forced, then the rules against each
-  // other, with the range kernel's short epilogue). K = 3: the range kernel 1.03-1.08x faster at M = 16..32, the
-  // batched kernel 1.09x at 40. K = 4: the two within 0.98-1.04x of each other at M = 16..32 (the batched kernel
-  // kept). K = 5 on 4096x4096: the range kernel 1.04-1.16x faster at M = 9..15 and 1.06-1.14x at 36..40, the batched
-  // kernel 1.02x at M = 16; on 3072x3072 the two within 0.95-1.05x, except the batched kernel 1.14x at M = 16. K = 2
-  // was not measured there and keeps the range kernel.
+  // 1..2 tiles per SM (the batched kernel then gives each tile 4 warps: gemv_tiled_batch_split). On layers of many
+  // items per warp (4096x14336) the batched kernel from M = 41 for K = 4, 5 and from M = 49 for K = 2, 3
+  // (twenty-second session, docs/results/batch_split runs 3, 4, both kernels forced, H100 and H200: K = 4 1.01-1.21x
+  // the range kernel's speed at M = 40..64, 0.95-0.97x at 36; K = 5 1.10-1.27x at 44..64, 0.96-0.98x at 40; K = 2, 3
+  // 1.04-1.11x at 64, 0.92-0.97x at 48). On small ones (< 2 items per warp: 4096x4096, 3072x3072): K = 3 from M = 33,
+  // K = 4 from 16, K = 5 at 16 and from 33 (sixteenth session, docs/results/short_epilogue/run7-9, and runs 3, 4 on
+  // 4096x4096: the split batched kernel 1.01-1.39x at M = 33..64 for K = 3, 0.72-1.04x below; K = 4 0.94-1.06x at
+  // 16..32; K = 5 1.11-1.51x from 33, 0.93-1.08x at 16..32); K = 2 (not measured) from 41.
   const bool small = items_per_warp < 2;
   const bool batch_mid =
-      tiles >= sms &&
-      (M > 40 ? K != 5 || small : small && (K == 3 ? M > 32 : K == 4 ? M > 15 : K == 5 && M == 16));
-  const bool batch = kernel == KBIT_TILED_BATCH ||
+      tiles >= sms && (small ? (K == 2 ? M > 40 : K == 3 ? M > 32 : K == 4 ? M > 15 : M == 16 || M > 32)
+                             : M > (K <= 3 ? 48 : 40));
+  const bool batch = kernel >= KBIT_TILED_BATCH ||
                      (kernel == KBIT_TILED_AUTO && M > 8 && !range_first && (tiles >= 2 * sms || batch_mid));
   if (batch) {
-    if (M <= 16) return gemv_tiled_batch_go<T, K, 8, 4, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-    if (M <= 32) return gemv_tiled_batch_go<T, K, 8, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-    return gemv_tiled_batch_go<T, K, 8, 2, 8>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+    const int split = kernel == KBIT_TILED_BATCH1   ? 1
+                      : kernel == KBIT_TILED_BATCH2 ? 2
+                      : kernel == KBIT_TILED_BATCH4 ? 4
+                                                    : 0;  // 0: gemv_tiled_batch_split's choice
+    if (M <= 16)
+      return gemv_tiled_batch_split<T, K, 8, 4, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, st);
+    if (M <= 32)
+      return gemv_tiled_batch_split<T, K, 8, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, st);
+    return gemv_tiled_batch_split<T, K, 8, 2, 8>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, st);
   }
   // K3Regs: K = 3 decodes some blocks in registers from M = K3_REG_MIN_M on, so at NT > 1 (M >= 9) always
   constexpr int R3 = K == 3 ? K3_REG_MASK : 0;
@@ -1307,9 +1463,12 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
 template <int K, typename TO>
 int dequantize_tiled_go(const void* wt, const void* at, const float* scale, const float* codebook, int64_t out,
                         int64_t in, void* y, cudaStream_t st) {
-  // up to 64 blocks per SM, grid-stride beyond (grid_for_threads' 16: H100 84-86% of copy -> 88-90%, H200 78-83% ->
-  // 82-87%; 128: H100 88-92%, H200 76-84%; twenty-first session, docs/results/dq_stream runs 4-8, 11)
-  dequant_tiled_kernel<K, TO><<<grid_for_threads(out * in / 16, 256, 64), 256, 0, st>>>(
+  // up to 64 blocks per SM (K = 4: 128), grid-stride beyond (grid_for_threads' 16: H100 84-86% of copy -> 88-90%,
+  // H200 78-83% -> 82-87%; 128: H100 88-92%, H200 76-84%; twenty-first session, docs/results/dq_stream runs 4-8, 11).
+  // With 8 blocks per SM resident (the kernel's launch bounds), 128 on the H200: K = 4 88.3-88.7% against 83.3-86.1%,
+  // K = 2, 3, 5 81.1-84.1% against 82.6-85.1% (twenty-second session, docs/results/batch_split run 1)
+  const int cap = K == 4 ? 128 : 64;
+  dequant_tiled_kernel<K, TO><<<grid_for_threads(out * in / 16, 256, cap), 256, 0, st>>>(
       (const uint8_t*)wt, (const uint8_t*)at, scale, codebook, out, (int)in, (TO*)y);
   return (int)cudaGetLastError();
 }
@@ -1378,7 +1537,7 @@ KBIT_API int kbit_tiled_timeline(unsigned long long* host, int n) {
 KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at, const float* scale,
                              const float* codebook, int k, int64_t out, int64_t in, const void* bias, void* y,
                              int kernel, void* stream) {
-  if (!tiled_shape(out, in) || M < 1 || M > 64 || kernel < KBIT_TILED_AUTO || kernel > KBIT_TILED_BATCH)
+  if (!tiled_shape(out, in) || M < 1 || M > 64 || kernel < KBIT_TILED_AUTO || kernel > KBIT_TILED_BATCH4)
     return (int)cudaErrorInvalidValue;
   cudaStream_t st = (cudaStream_t)stream;
   const uint8_t *w = (const uint8_t*)wt, *a = (const uint8_t*)at;

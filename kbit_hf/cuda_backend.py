@@ -371,8 +371,8 @@ def linear_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 # which tiled GEMV kernel runs (csrc/kbit_api.h, KBIT_TILED_*): the library's choice, or one forced by tests and
-# benchmarks (per-warp ranges or batched)
-TILED_KERNELS = {"auto": 0, "range": 1, "batch": 2}
+# benchmarks (per-warp ranges; batched, or batched with 1, 2 or 4 warps per tile)
+TILED_KERNELS = {"auto": 0, "range": 1, "batch": 2, "batch1": 3, "batch2": 4, "batch4": 5}
 tiled_kernel = TILED_KERNELS["auto"]
 
 

@@ -52,7 +52,7 @@ def main():
             cuda.dequantize(wt, at, s, cb, k, shape[1], odt)
             n += 1
         if cuda.tiled_supported(torch.device("cuda")):
-            for kernel in ("range", "batch"):  # each tiled GEMV kernel forced
+            for kernel in ("range", "batch1", "batch2", "batch4"):  # each tiled GEMV kernel forced
                 cuda.tiled_kernel = cuda.TILED_KERNELS[kernel]
                 for xdt in (torch.bfloat16, torch.float16):
                     for M in (1, 8, 9, 17, 33, 64):

@@ -73,9 +73,10 @@ def test_dequantize_grid_stride(k):
     assert torch.equal(cuda.dequantize(wt, at, s, cb, k, 8192, torch.bfloat16), want)
 
 
-@pytest.fixture(params=("auto", "range", "batch"))
+@pytest.fixture(params=("auto", "range", "batch1", "batch2", "batch4"))
 def tiled_kernel(request, monkeypatch):
-    """The tiled GEMV kernel: the library's choice, or forced (csrc/kbit_api.h, kbit_gemv_tiled)."""
+    """The tiled GEMV kernel: the library's choice, or forced (csrc/kbit_api.h, kbit_gemv_tiled): the range kernel, or
+    the batched kernel with 1, 2 or 4 consumer warps per tile (6144x4096 has 3 tiles per SM: two rounds at 4)."""
     monkeypatch.setattr(_cuda(), "tiled_kernel", _cuda().TILED_KERNELS[request.param])
     return request.param
 
