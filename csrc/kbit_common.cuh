@@ -148,6 +148,7 @@ __device__ __forceinline__ float load_absmax(const void* absmax, size_t i, int a
 
 // named barrier of n threads (ids 1..15; 0 is __syncthreads)
 __device__ __forceinline__ void bar_group(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n)); }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
