@@ -184,10 +184,7 @@ __global__ void __launch_bounds__(256) dequant_kernel(const uint32_t* __restrict
         if constexpr (sizeof(TO) == 2) {
           uint32_t pk[4];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            TO lo = Cvt<TO>::from_f(v[2 * i]), hi = Cvt<TO>::from_f(v[2 * i + 1]);
-            pk[i] = (uint32_t)(*reinterpret_cast<uint16_t*>(&lo)) | ((uint32_t)(*reinterpret_cast<uint16_t*>(&hi)) << 16);
-          }
+          for (int i = 0; i < 4; ++i) pk[i] = Mma<TO>::pack(v[2 * i], v[2 * i + 1]);
           // streaming store (evict first): H200, K = 2 77-78% -> 86-87% of copy, K = 3..5 unchanged (twentieth
           // session, docs/results/x_pred run 11)
           __stcs(reinterpret_cast<uint4*>(dst), make_uint4(pk[0], pk[1], pk[2], pk[3]));

@@ -1196,9 +1196,10 @@ __global__ void untile_kernel(const uint8_t* __restrict__ wt, const uint8_t* __r
 // tiled -> dense weights in TO, bitwise the values of dequant_kernel ((cb * d) * scale in fp32, one rounding): one
 // thread per (tile, chunk, lane, block), i.e. 8 consecutive elements of two rows (2 K bytes)
 // 16-bit outputs: 8 blocks of 256 threads per SM (32 registers, with the pairs packed as they are made; 40 registers
-// and 6 blocks before; sm_86 / sm_89 hold 1536 threads per SM, so 6 there). H200 (twenty-second session, docs/results/batch_split runs 1, 4, 7, six readings each):
-// K = 2, 3 80.4-82.2% of copy -> 83.2-86.0%, K = 5 82.1-83.8% -> 82.6-86.5%, K = 4 (and its grid below) 85.2-86.9% ->
-// 86.5-88.7%; H100 unchanged (86.3-90.7%). The early packing alone (6 blocks) was slower: 76.7-82.3%.
+// and 6 blocks before; sm_86 / sm_89 hold 1536 threads per SM, so 6 there). H200 (twenty-second session,
+// docs/results/batch_split runs 1, 4, 7, six readings each): K = 2, 3 80.4-82.2% of copy -> 83.2-86.0%, K = 5
+// 82.1-83.8% -> 82.6-86.5%, K = 4 (and its grid below) 85.2-86.9% -> 86.5-88.7%; H100 unchanged (86.3-90.7%). The
+// early packing alone (6 blocks) was slower: 76.7-82.3%.
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 870 || __CUDA_ARCH__ == 890)
 constexpr int DQT_BLOCKS_PER_SM = 6;
 #else
@@ -1239,9 +1240,7 @@ __global__ void __launch_bounds__(256, sizeof(TO) == 2 ? DQT_BLOCKS_PER_SM : 1)
       const float val = __fmul_rn(__fmul_rn(c, d[rh]), sc);
       if constexpr (sizeof(TO) == 2) {
         if (e & 1) {
-          TO lo = Cvt<TO>::from_f(even), hi = Cvt<TO>::from_f(val);
-          pk[rh][e >> 1] =
-              (uint32_t)(*reinterpret_cast<uint16_t*>(&lo)) | ((uint32_t)(*reinterpret_cast<uint16_t*>(&hi)) << 16);
+          pk[rh][e >> 1] = Mma<TO>::pack(even, val);
         } else {
           even = val;
         }

@@ -33,6 +33,9 @@ def main():
     ap.add_argument("--tiled-min-numel", type=int, default=None,
                     help="tile weights from this many elements on, every K (cuda_backend.TILED_MIN_NUMEL; 0: every "
                          "tileable shape)")
+    ap.add_argument("--dequant-mm", action="store_true",
+                    help="also time the dequantize + cuBLAS path on the same weights (row k: 'dqK'; the weight is "
+                         "dequantized into one reused bf16 buffer, so layers whose bf16 weight fits in L2 read fast)")
     ap.add_argument("--compare", nargs="+", default=None, help="print a side-by-side table of JSON files and exit")
     a = ap.parse_args()
     if a.compare:
@@ -120,6 +123,18 @@ def main():
                 pct = 100 * nbytes / (us * 1e-6) / bw
                 rows.append({"shape": sh, "M": M, "k": k, "us": us, "pct_copy": pct})
                 print(f"[{a.tag}] {sh:>12} M={M} K={k} {us:8.2f} us {pct:5.1f}%", flush=True)
+                if a.dequant_mm:
+                    wbuf = torch.empty(out_f, in_f, device="cuda", dtype=torch.bfloat16)
+
+                    def dequant_mm(c):
+                        cuda.dequantize_out(c[0], c[1], s0, cb, k, in_f, wbuf)
+                        torch.mm(x, wbuf.t(), out=y)
+
+                    dm = _time_graph([lambda c=c: dequant_mm(c) for c in copies], a.repeats)
+                    rows.append({"shape": sh, "M": M, "k": f"dq{k}", "us": dm})
+                    print(f"[{a.tag}] {sh:>12} M={M} K={k} dequantize + cuBLAS {dm:8.2f} us ({us / dm:4.2f}x)",
+                          flush=True)
+                    del wbuf
             del copies, p0, a0
             torch.cuda.empty_cache()
     if a.json:
