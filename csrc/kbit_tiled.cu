@@ -875,18 +875,19 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 // Batched decode on layers of many tiles (gemv_tiled_batch_kernel; docs/kernels_history.md, tenth session). In
 // gemv_tiled_kernel each warp loads each item's activations itself (NT 16-byte loads per lane and block) at its own
 // k: at M = 32..64 that is 8..16 times the weight bytes per item, from L2. Here the warps walk k in lockstep: per
-// step v, one producer warp fills a stage of the shared ring with columns 256 v .. 256 v + 255 of every token
-// (cp.async, 16 bytes a lane, rows of 576 bytes: 512 + 64 keep the consumers' 16-byte reads conflict-free) and item
-// v of each active tile (bulk copies); NW consumer warps each own one tile for the whole k range (rounds of NW tiles)
+// step v, two producer warps fill a stage of the shared ring, one with columns 256 v .. 256 v + 255 of every token
+// (cp.async, 16 bytes a lane, rows of 576 bytes: 512 + 64 keep the consumers' 16-byte reads conflict-free), the other
+// with item v of each active tile (bulk copies; one warp issuing both kept the consumers waiting for their stages:
+// 29-33% of their stall samples, twenty-third session); NW consumer warps each own one tile for the whole k range (rounds of NW tiles)
 // and read the shared activations, and each warp stores its tile. Where the CTAs have few tiles (SPLIT > 1,
 // gemv_tiled_batch_split) SPLIT warps share a tile, each decoding 8 / SPLIT of every item's 8 blocks (a chunk or a
 // block pair), and after the k range the first adds the others' partial sums in order (shared memory, a barrier of
 // the consumer warps; rounds of NW / SPLIT tiles). A stage: [NT * 8 token rows]
-// [NW items' weights] [NW items' scales]; full barrier: the producer's expect_tx arrival and its 32 lanes' cp.async
-// arrivals; empty barrier: the NW consumer warps. K = 5 uses its 64 KB table of 16 replicas here (table_end): with the
+// [NW items' weights] [NW items' scales]; full barrier: the weights producer's expect_tx arrival and the activations
+// producer's 32 lanes' cp.async arrivals; empty barrier: the NW consumer warps. K = 5 uses its 64 KB table of 16 replicas here (table_end): with the
 // 128 KB one only 4 consumer warps' stages fit, which ran 1.05-1.54x slower (docs/results/tiled_k5, run 3).
 template <typename T, int K, int NW, int XS, int NT, int SPLIT>
-__global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(const T* __restrict__ x, int M,
+__global__ void __launch_bounds__((NW + 2) * 32, 1) gemv_tiled_batch_kernel(const T* __restrict__ x, int M,
                                                                               const uint8_t* __restrict__ wt,
                                                                               const uint8_t* __restrict__ at,
                                                                               const float* __restrict__ scale,
@@ -918,25 +919,30 @@ __global__ void __launch_bounds__((NW + 1) * 32, 1) gemv_tiled_batch_kernel(cons
   }
   pdl_wait();  // every load below: the kernel before has finished
   const float sc = __ldg(scale);
-  build_pair_table<T, K, false, (NW + 1) * 32>(win, codebook_lane<K>(codebook, lane), TiledScales<T>::A_TABLE);
+  build_pair_table<T, K, false, (NW + 2) * 32>(win, codebook_lane<K>(codebook, lane), TiledScales<T>::A_TABLE);
   __syncthreads();
   const int steps = rounds * IPT;
-  if (warp == NW) {  // the producer
+  if (warp >= NW) {  // the producers: warp NW the activations, warp NW + 1 the items
+    const bool acts = warp == NW;
     const uint8_t* xb = reinterpret_cast<const uint8_t*>(x) + 16 * lane;
     int r = 0, v = 0;
     for (int j = 0; j < steps; ++j) {
       const uint32_t s = j % XS, st = ring_addr<TEND, STAGE>(s);
       if (j >= XS) mbar_wait(EMPTY + 8 * s, (j / XS - 1) & 1);
-      fence_proxy_async();  // the consumers' reads of this stage before the bulk copies' writes
-      const int na = min(TPR, ntc - r * TPR);
-      if (lane == 0) mbar_expect_tx(FULL + 8 * s, na * L::ITEM);
-      __syncwarp();
-      for (int m = 0; m < M; ++m) cp_async16(st + m * XROW + 16 * lane, xb + ((int64_t)m * in + 256 * v) * sizeof(T));
-      cp_async_arrive(FULL + 8 * s);
-      if (lane < na) {
-        const int64_t item = (t0 + r * TPR + lane) * IPT + v;
-        bulk_copy(st + XB + lane * L::ITEM_W, wt + item * L::ITEM_W, L::ITEM_W, FULL + 8 * s);
-        bulk_copy(st + XB + NW * L::ITEM_W + lane * ITEM_A, at + item * ITEM_A, ITEM_A, FULL + 8 * s);
+      fence_proxy_async();  // the consumers' reads of this stage before the copies' writes
+      if (acts) {
+        for (int m = 0; m < M; ++m)
+          cp_async16(st + m * XROW + 16 * lane, xb + ((int64_t)m * in + 256 * v) * sizeof(T));
+        cp_async_arrive(FULL + 8 * s);
+      } else {
+        const int na = min(TPR, ntc - r * TPR);
+        if (lane == 0) mbar_expect_tx(FULL + 8 * s, na * L::ITEM);
+        __syncwarp();
+        if (lane < na) {
+          const int64_t item = (t0 + r * TPR + lane) * IPT + v;
+          bulk_copy(st + XB + lane * L::ITEM_W, wt + item * L::ITEM_W, L::ITEM_W, FULL + 8 * s);
+          bulk_copy(st + XB + NW * L::ITEM_W + lane * ITEM_A, at + item * ITEM_A, ITEM_A, FULL + 8 * s);
+        }
       }
       if (++v == IPT) {
         v = 0;
@@ -1347,7 +1353,7 @@ int gemv_tiled_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const
                      bias, out, (int)in, y);
 }
 
-// The batched kernel's launch: NW consumer warps and a producer warp, XS stages, SPLIT consumer warps per tile.
+// The batched kernel's launch: NW consumer warps and two producer warps, XS stages, SPLIT consumer warps per tile.
 template <typename T, int K, int NW, int XS, int NT, int SPLIT>
 int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                         const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
@@ -1360,7 +1366,7 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
     if (e != cudaSuccess) return (int)e;
     attr_set[dev] = true;
   }
-  return launch_gemv(gemv_tiled_batch_kernel<T, K, NW, XS, NT, SPLIT>, (unsigned)sms, (NW + 1) * 32, (int)dyn, st, x,
+  return launch_gemv(gemv_tiled_batch_kernel<T, K, NW, XS, NT, SPLIT>, (unsigned)sms, (NW + 2) * 32, (int)dyn, st, x,
                      M, wt, at, scale, cb, bias, out, (int)in, y);
 }
 // SPLIT warps per tile where the CTAs have too few tiles for their NW consumer warps: 4 where the busiest CTA has at

@@ -138,6 +138,29 @@ def test_gemv_tiled_activation_range(x_scale, M, tiled_kernel, k):
     _assert_linear_close(y[:, :16], ref[:, :16], mag[:, :16], dtype, rel_w=GEMV_REL_W[dtype])
 
 
+@pytest.mark.parametrize("k", fmt.TILED_K)
+@pytest.mark.parametrize("kernel", ("batch1", "batch2", "batch4"))
+@pytest.mark.parametrize("M", (9, 24, 64))
+def test_gemv_tiled_batched_rounds(kernel, M, k, monkeypatch):
+    """The batched kernel over several rounds of tiles per CTA, the last one partial and odd: 1.5 rounds of 8 tiles per
+    SM plus 3 (TILED_SHAPES stay within one round except at 4 warps per tile)."""
+    if not _sm90():
+        pytest.skip("the tiled GEMV is sm_90")
+    cuda = _cuda()
+    monkeypatch.setattr(cuda, "tiled_kernel", cuda.TILED_KERNELS[kernel])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    out_f, in_f = 16 * (12 * sms + 3), 512
+    cb = fmt.nf0_codebook(k)
+    p, a, s = _quantized((out_f, in_f), k)
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, in_f, generator=g).to(torch.bfloat16)
+    bias = torch.randn(out_f, generator=g).to(torch.bfloat16)
+    ref, mag = _ref_linear64(x, p, a, s, cb, k, in_f, bias)
+    wt, at = cuda.tile(p.cuda(), a.cuda(), in_f, k)
+    y = cuda.linear(x.cuda(), wt, at, s.cuda(), cb.cuda(), k, in_f, bias.cuda())
+    _assert_linear_close(y, ref, mag, torch.bfloat16, rel_w=GEMV_REL_W[torch.bfloat16])
+
+
 @pytest.mark.parametrize("M", (1, 20))
 def test_gemv_tiled_unaligned_activations(M):
     """x starting 2 elements into its storage (contiguous, not 16-byte aligned): linear computes on an aligned copy,
