@@ -877,15 +877,16 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 // k: at M = 32..64 that is 8..16 times the weight bytes per item, from L2. Here the warps walk k in lockstep: per
 // step v, two producer warps fill a stage of the shared ring, one with columns 256 v .. 256 v + 255 of every token
 // (cp.async, 16 bytes a lane, rows of 576 bytes: 512 + 64 keep the consumers' 16-byte reads conflict-free), the other
-// with item v of each active tile (bulk copies; one warp issuing both kept the consumers waiting for their stages:
-// 29-33% of their stall samples, twenty-third session); NW consumer warps each own one tile for the whole k range (rounds of NW tiles)
-// and read the shared activations, and each warp stores its tile. Where the CTAs have few tiles (SPLIT > 1,
-// gemv_tiled_batch_split) SPLIT warps share a tile, each decoding 8 / SPLIT of every item's 8 blocks (a chunk or a
-// block pair), and after the k range the first adds the others' partial sums in order (shared memory, a barrier of
-// the consumer warps; rounds of NW / SPLIT tiles). A stage: [NT * 8 token rows]
-// [NW items' weights] [NW items' scales]; full barrier: the weights producer's expect_tx arrival and the activations
-// producer's 32 lanes' cp.async arrivals; empty barrier: the NW consumer warps. K = 5 uses its 64 KB table of 16 replicas here (table_end): with the
-// 128 KB one only 4 consumer warps' stages fit, which ran 1.05-1.54x slower (docs/results/tiled_k5, run 3).
+// with item v of each active tile (bulk copies; one warp issuing both left the consumers waiting for full stages in
+// 29-33% of the kernel's stall samples, twenty-third session). NW consumer warps each own one tile for the whole k
+// range (rounds of NW tiles) and read the shared activations, and each warp stores its tile. Where the CTAs have few
+// tiles (SPLIT > 1, gemv_tiled_batch_split) SPLIT warps share a tile, each decoding 8 / SPLIT of every item's 8
+// blocks (a chunk or a block pair), and after the k range the first adds the others' partial sums in order (shared
+// memory, a barrier of the consumer warps; rounds of NW / SPLIT tiles). A stage: [NT * 8 token rows] [NW items'
+// weights] [NW items' scales]; full barrier: the weights producer's expect_tx arrival and the activations producer's
+// 32 lanes' cp.async arrivals; empty barrier: the NW consumer warps. K = 5 uses its 64 KB table of 16 replicas here
+// (table_end): with the 128 KB one only 4 consumer warps' stages fit, which ran 1.05-1.54x slower
+// (docs/results/tiled_k5, run 3).
 template <typename T, int K, int NW, int XS, int NT, int SPLIT>
 __global__ void __launch_bounds__((NW + 2) * 32, 1) gemv_tiled_batch_kernel(const T* __restrict__ x, int M,
                                                                               const uint8_t* __restrict__ wt,
