@@ -70,6 +70,13 @@ constexpr uint32_t table_end() {
 // a stage of the batched kernel's ring: NT * 8 token rows of activations (576-byte rows, see the kernel), then NW
 // items' weights and NW items' scales
 constexpr uint32_t XROW = 576;
+// The batched kernel's producer warps: 2 (activations / items) from NT = 4 on; at NT = 2 (M = 9..16) one, as before the
+// twenty-third session: two were 1.1-1.3x faster there alone, but end to end at batch 16 (Llama-3-8B shape, H100)
+// 4 of 5 processes decoded at 0.73-0.83x main's speed (docs/results/producers, runs 10-12; not understood)
+template <int NT>
+constexpr int batch_producers() {
+  return NT == 2 ? 1 : 2;
+}
 template <int K, int NW, int NT>
 constexpr uint32_t batch_stage_bytes() {
   return NT * 8 * XROW + NW * Tiled<K>::ITEM;
@@ -873,28 +880,26 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 }
 
 // Batched decode on layers of many tiles (gemv_tiled_batch_kernel; docs/kernels_history.md, tenth session). In
-// gemv_tiled_kernel each warp loads each item's activations itself (NT 16-byte loads per lane and block) at its own
-// k: at M = 32..64 that is 8..16 times the weight bytes per item, from L2. Here the warps walk k in lockstep: per
-// step v, two producer warps fill a stage of the shared ring, one with columns 256 v .. 256 v + 255 of every token
-// (cp.async, 16 bytes a lane, rows of 576 bytes: 512 + 64 keep the consumers' 16-byte reads conflict-free), the other
-// with item v of each active tile (bulk copies; one warp issuing both left the consumers waiting for full stages in
-// 29-33% of the kernel's stall samples, twenty-third session). NW consumer warps each own one tile for the whole k
-// range (rounds of NW tiles) and read the shared activations, and each warp stores its tile. Where the CTAs have few
-// tiles (SPLIT > 1, gemv_tiled_batch_split) SPLIT warps share a tile, each decoding 8 / SPLIT of every item's 8
-// blocks (a chunk or a block pair), and after the k range the first adds the others' partial sums in order (shared
-// memory, a barrier of the consumer warps; rounds of NW / SPLIT tiles). A stage: [NT * 8 token rows] [NW items'
-// weights] [NW items' scales]; full barrier: the weights producer's expect_tx arrival and the activations producer's
-// 32 lanes' cp.async arrivals; empty barrier: the NW consumer warps. K = 5 uses its 64 KB table of 16 replicas here
-// (table_end): with the 128 KB one only 4 consumer warps' stages fit, which ran 1.05-1.54x slower
+// gemv_tiled_kernel each warp loads each item's activations itself (NT 16-byte loads per lane and block) at its own k:
+// at M = 32..64 that is 8..16 times the weight bytes per item, from L2. Here the warps walk k in lockstep: per step v,
+// two producer warps (one at NT = 2: batch_producers) fill a stage of the shared ring, one with columns 256 v .. 256 v
+// + 255 of every token (cp.async, 16 bytes a lane, rows of 576 bytes: 512 + 64 keep the consumers' 16-byte reads
+// conflict-free), the other with item v of each active tile (bulk copies; one warp issuing both left the consumers
+// waiting for full stages in 29-33% of the kernel's stall samples, twenty-third session). NW consumer warps each own
+// one tile for the whole k range (rounds of NW tiles) and read the shared activations, and each warp stores its tile.
+// Where the CTAs have few tiles (SPLIT > 1, gemv_tiled_batch_split) SPLIT warps share a tile, each decoding 8 / SPLIT
+// of every item's 8 blocks (a chunk or a block pair), and after the k range the first adds the others' partial sums in
+// order (shared memory, a barrier of the consumer warps; rounds of NW / SPLIT tiles). A stage: [NT * 8 token rows] [NW
+// items' weights] [NW items' scales]; full barrier: the expect_tx arrival of the items' producer and the 32 lanes'
+// cp.async arrivals of the activations' producer; empty barrier: the NW consumer warps. K = 5 uses its 64 KB table of
+// 16 replicas here (table_end): with the 128 KB one only 4 consumer warps' stages fit, which ran 1.05-1.54x slower
 // (docs/results/tiled_k5, run 3).
 template <typename T, int K, int NW, int XS, int NT, int SPLIT>
-__global__ void __launch_bounds__((NW + 2) * 32, 1) gemv_tiled_batch_kernel(const T* __restrict__ x, int M,
-                                                                              const uint8_t* __restrict__ wt,
-                                                                              const uint8_t* __restrict__ at,
-                                                                              const float* __restrict__ scale,
-                                                                              const float* __restrict__ codebook,
-                                                                              const T* __restrict__ bias, int64_t out,
-                                                                              int in, T* __restrict__ y) {
+__global__ void __launch_bounds__((NW + batch_producers<NT>()) * 32, 1)
+    gemv_tiled_batch_kernel(const T* __restrict__ x, int M, const uint8_t* __restrict__ wt,
+                            const uint8_t* __restrict__ at, const float* __restrict__ scale,
+                            const float* __restrict__ codebook, const T* __restrict__ bias, int64_t out, int in,
+                            T* __restrict__ y) {
 #if !KBIT_SM90
   __trap();  // sm_90 only: the launcher refuses other devices
 #endif
@@ -920,30 +925,32 @@ __global__ void __launch_bounds__((NW + 2) * 32, 1) gemv_tiled_batch_kernel(cons
   }
   pdl_wait();  // every load below: the kernel before has finished
   const float sc = __ldg(scale);
-  build_pair_table<T, K, false, (NW + 2) * 32>(win, codebook_lane<K>(codebook, lane), TiledScales<T>::A_TABLE);
+  constexpr int NP = batch_producers<NT>();
+  build_pair_table<T, K, false, (NW + NP) * 32>(win, codebook_lane<K>(codebook, lane), TiledScales<T>::A_TABLE);
   __syncthreads();
   const int steps = rounds * IPT;
-  if (warp >= NW) {  // the producers: warp NW the activations, warp NW + 1 the items
-    const bool acts = warp == NW;
+  if (warp >= NW) {  // the producers: NP = 2: warp NW the activations, warp NW + 1 the items; NP = 1: one warp both
+    const bool acts = NP == 1 || warp == NW, items = NP == 1 || warp == NW + 1;
     const uint8_t* xb = reinterpret_cast<const uint8_t*>(x) + 16 * lane;
     int r = 0, v = 0;
     for (int j = 0; j < steps; ++j) {
       const uint32_t s = j % XS, st = ring_addr<TEND, STAGE>(s);
       if (j >= XS) mbar_wait(EMPTY + 8 * s, (j / XS - 1) & 1);
       fence_proxy_async();  // the consumers' reads of this stage before the copies' writes
+      const int na = min(TPR, ntc - r * TPR);
+      if (items) {
+        if (lane == 0) mbar_expect_tx(FULL + 8 * s, na * L::ITEM);
+        __syncwarp();
+      }
       if (acts) {
         for (int m = 0; m < M; ++m)
           cp_async16(st + m * XROW + 16 * lane, xb + ((int64_t)m * in + 256 * v) * sizeof(T));
         cp_async_arrive(FULL + 8 * s);
-      } else {
-        const int na = min(TPR, ntc - r * TPR);
-        if (lane == 0) mbar_expect_tx(FULL + 8 * s, na * L::ITEM);
-        __syncwarp();
-        if (lane < na) {
-          const int64_t item = (t0 + r * TPR + lane) * IPT + v;
-          bulk_copy(st + XB + lane * L::ITEM_W, wt + item * L::ITEM_W, L::ITEM_W, FULL + 8 * s);
-          bulk_copy(st + XB + NW * L::ITEM_W + lane * ITEM_A, at + item * ITEM_A, ITEM_A, FULL + 8 * s);
-        }
+      }
+      if (items && lane < na) {
+        const int64_t item = (t0 + r * TPR + lane) * IPT + v;
+        bulk_copy(st + XB + lane * L::ITEM_W, wt + item * L::ITEM_W, L::ITEM_W, FULL + 8 * s);
+        bulk_copy(st + XB + NW * L::ITEM_W + lane * ITEM_A, at + item * ITEM_A, ITEM_A, FULL + 8 * s);
       }
       if (++v == IPT) {
         v = 0;
@@ -1354,7 +1361,8 @@ int gemv_tiled_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const
                      bias, out, (int)in, y);
 }
 
-// The batched kernel's launch: NW consumer warps and two producer warps, XS stages, SPLIT consumer warps per tile.
+// The batched kernel's launch: NW consumer warps and batch_producers producer warps, XS stages, SPLIT consumer warps
+// per tile.
 template <typename T, int K, int NW, int XS, int NT, int SPLIT>
 int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                         const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
@@ -1367,7 +1375,8 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
     if (e != cudaSuccess) return (int)e;
     attr_set[dev] = true;
   }
-  return launch_gemv(gemv_tiled_batch_kernel<T, K, NW, XS, NT, SPLIT>, (unsigned)sms, (NW + 2) * 32, (int)dyn, st, x,
+  return launch_gemv(gemv_tiled_batch_kernel<T, K, NW, XS, NT, SPLIT>, (unsigned)sms, (NW + batch_producers<NT>()) * 32,
+                     (int)dyn, st, x,
                      M, wt, at, scale, cb, bias, out, (int)in, y);
 }
 // SPLIT warps per tile where the CTAs have too few tiles for their NW consumer warps: 4 where the busiest CTA has at
@@ -1390,30 +1399,15 @@ int gemv_tiled_batch_split(const T* x, int M, const uint8_t* wt, const uint8_t* 
   return gemv_tiled_batch_go<T, K, NW, XS, NT, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
 }
 
-// Which kernel, by the H100 measurements of docs/kernels_history.md (tenth to twelfth sessions). M <= 8:
+// Which kernel, by the H100 measurements of docs/kernels_history.md (tenth to twenty-third sessions). M <= 8:
 // gemv_tiled_kernel, 16 warps of one slot each (at steady state its K = 4 reads run at the copy bandwidth; more slots,
 // or for K = 2 two items per bulk copy, measured slower or even, also on small layers). M = 9..64: the batched kernel
-// where the CTAs have tiles to give their warps (>= 2 per SM; a layer of 1..2 tiles per SM gains only at M > 40, and
-// for K = 5 not at all: 0.70-0.83x on 4096x14336, whose batched lookups conflict 2-way; except small layers, below):
-// up to 2.6x the range kernel there. But at M = 9..14 the range kernel (two token tiles) is faster on layers of many
-// items per warp, the more so the smaller K (its lookups are shared by both token tiles; 2026-11-23, H100, both
-// forced on six shapes from 6144x4096 to 128256x4096): K = 2 on every layer (0.79-0.99x the batched kernel's time),
-// K = 4 from 24 items per warp (0.90-0.97x), K = 5 from 48 (0.94-1.00x); below those the batched kernel was as fast
-// or faster. K = 3 on every layer since its register decode (nineteenth session, both forced on five shapes from
-// 6144x4096 to 128256x4096: 0.47-0.97x at M = 9..14; from 12 items per warp before). K = 2, 3 also at M = 15
-// (twentieth session, four and five shapes: 0.48-0.99x on the H200, 0.79-1.03x on the H100); at M = 16 the batched
-// kernel was faster on 14336x4096 (the range kernel 1.02-1.12x its time on both GPUs), so it keeps M = 16.
-// K = 4, 5 since the twenty-first session (both kernels forced on seven shapes, M = 9..16, H100 and H200; the table in
-// docs/results/dq_stream/README.md): the batched kernel gives each of its 8 consumer warps one tile at a time, so on
-// layers of 2..4 tiles per SM half its warps or more idle, while the range kernel splits the items evenly. So the range
-// kernel also runs where at most half of those warps have a tile and it has >= 4 items per warp (8192x8192, 8192x28672:
-// 0.78-0.99x the batched kernel's time at M = 9..14; at M = 16 with >= 24 items per warp, 8192x28672: 0.86-0.99x), at
-// M = 9, 10 where under 3/4 have one (6144x4096 K = 4: 0.85-0.94x; not K = 5 below 4 items per warp: 0.94-1.16x), and
-// for K = 5 as for K = 4 up to M = 14 on layers of >= 24 items per warp (28672x8192, 128256x4096: 0.87-0.92x at
-// M = 9, 10; 0.94-1.06x at 12, 14, where in auto mode the H100 and the H200 disagreed by a few percent either way).
-// 14336x4096 keeps the batched kernel (the range kernel 0.97-1.17x its time at M = 9, 10). Otherwise the range kernel:
-// 16 warps for M <= 16, 8 for M <= 32 (their accumulators need the registers), and launches of 32 tokens above. kernel:
-// KBIT_TILED_AUTO, or KBIT_TILED_RANGE / KBIT_TILED_BATCH to force one (tests).
+// where the CTAs have tiles to give their warps (>= 2 per SM, and on 1..2 tiles per SM from the M below), except at
+// the smallest M on layers of many items per warp, where the range kernel's two token tiles share each lookup (the
+// rule and its figures in gemv_tiled_launch; the earlier rules, measured against the batched kernel with one producer
+// warp, in kernels_history.md, tenth to twenty-second sessions). Otherwise the range kernel: 16 warps for M <= 16, 8
+// for M <= 32 (their accumulators need the registers), and launches of 32 tokens above. kernel: KBIT_TILED_AUTO, or
+// KBIT_TILED_RANGE / KBIT_TILED_BATCH* to force one (tests).
 template <typename T, int K>
 int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                       const T* bias, int64_t out, int64_t in, T* y, int kernel, cudaStream_t st) {
@@ -1431,18 +1425,16 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
       K <= 3 ? M <= 15
              : (M <= 14 && (many || (half_idle && items_per_warp >= 4))) ||
                    (M <= 10 && quarter_idle && !(K == 5 && items_per_warp < 4)) || (M <= 16 && half_idle && many);
-  // 1..2 tiles per SM (the batched kernel then gives each tile 4 warps: gemv_tiled_batch_split). On layers of many
-  // items per warp (4096x14336) the batched kernel from M = 41 for K = 4, 5 and from M = 49 for K = 2, 3
-  // (twenty-second session, docs/results/batch_split runs 3, 4, both kernels forced, H100 and H200: K = 4 1.01-1.21x
-  // the range kernel's speed at M = 40..64, 0.95-0.97x at 36; K = 5 1.10-1.27x at 44..64, 0.96-0.98x at 40; K = 2, 3
-  // 1.04-1.11x at 64, 0.92-0.97x at 48). On small ones (< 2 items per warp: 4096x4096, 3072x3072): K = 3 from M = 33,
-  // K = 4 from 16, K = 5 at 16 and from 33 (sixteenth session, docs/results/short_epilogue/run7-9, and runs 3, 4 on
-  // 4096x4096: the split batched kernel 1.01-1.39x at M = 33..64 for K = 3, 0.72-1.04x below; K = 4 0.94-1.06x at
-  // 16..32; K = 5 1.11-1.51x from 33, 0.93-1.08x at 16..32); K = 2 (not measured) from 41.
+  // 1..2 tiles per SM (the batched kernel then gives each tile 4 warps: gemv_tiled_batch_split). Above M = 16, where
+  // the batched kernel has two producer warps (twenty-third session, docs/results/producers run 8, H100, both forced):
+  // on 4096x14336 from M = 33 for K = 4, 5 (1.07-1.24x at 33..40) and from M = 36 for K = 2, 3 (1.01-1.08x at 36, 40;
+  // 0.99-1.01x at 33); on small layers (< 2 items per warp: 4096x4096) for K = 3..5 (1.02-1.37x at M = 20..32; K = 2,
+  // where the two tie at M = 9..32, from M = 41). At M = 9..16, with one producer warp, as measured before: K = 4 from
+  // M = 16, K = 5 at 16 (sixteenth session, docs/results/short_epilogue/run7-9, twenty-second session,
+  // docs/results/batch_split runs 3, 4).
   const bool small = items_per_warp < 2;
   const bool batch_mid =
-      tiles >= sms && (small ? (K == 2 ? M > 40 : K == 3 ? M > 32 : K == 4 ? M > 15 : M == 16 || M > 32)
-                             : M > (K <= 3 ? 48 : 40));
+      tiles >= sms && (small ? (K == 2 ? M > 40 : K == 3 ? M > 16 : M > 15) : M > (K <= 3 ? 35 : 32));
   const bool batch = kernel >= KBIT_TILED_BATCH ||
                      (kernel == KBIT_TILED_AUTO && M > 8 && !range_first && (tiles >= 2 * sms || batch_mid));
   if (batch) {
