@@ -71,8 +71,9 @@ constexpr uint32_t table_end() {
 // items' weights and NW items' scales
 constexpr uint32_t XROW = 576;
 // The batched kernel's producer warps: 2 (activations / items) from NT = 4 on; at NT = 2 (M = 9..16) one, as before the
-// twenty-third session: two were 1.1-1.3x faster there alone, but end to end at batch 16 (Llama-3-8B shape, H100)
-// 4 of 5 processes decoded at 0.73-0.83x main's speed (docs/results/producers, runs 10-12; not understood)
+// twenty-third session. Two were 1.1-1.3x faster there alone, but end to end at batch 16 (Llama-3-8B shape, H100) a
+// process decodes at one of two speeds, main's too, and with two producers 4 of 5 processes read the slow one against
+// main's 1 of 6 (docs/results/producers, runs 10-13; not understood)
 template <int NT>
 constexpr int batch_producers() {
   return NT == 2 ? 1 : 2;
@@ -1376,8 +1377,7 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
     attr_set[dev] = true;
   }
   return launch_gemv(gemv_tiled_batch_kernel<T, K, NW, XS, NT, SPLIT>, (unsigned)sms, (NW + batch_producers<NT>()) * 32,
-                     (int)dyn, st, x,
-                     M, wt, at, scale, cb, bias, out, (int)in, y);
+                     (int)dyn, st, x, M, wt, at, scale, cb, bias, out, (int)in, y);
 }
 // SPLIT warps per tile where the CTAs have too few tiles for their NW consumer warps: 4 where the busiest CTA has at
 // most NW / 4 tiles (4096x14336, 4096x4096 on 132 SMs), and for K = 5 at NT = 8 2 where it has at most NW / 2
