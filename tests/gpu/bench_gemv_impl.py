@@ -14,6 +14,8 @@ import json
 
 import torch
 
+from kbit_hf.cuda_backend import TILED_KERNELS
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -28,7 +30,7 @@ def main():
     ap.add_argument("--check", action="store_true", help="first check outputs against a float64 reference")
     ap.add_argument("--planes", action="store_true",
                     help="time the bit planes even where KbitLinear would hold the weight tiled (format.tile)")
-    ap.add_argument("--tiled-kernel", choices=("auto", "range", "batch", "batch1", "batch2", "batch4"), default="auto",
+    ap.add_argument("--tiled-kernel", choices=tuple(TILED_KERNELS), default="auto",
                     help="force one tiled GEMV kernel (cuda_backend.tiled_kernel) to compare them at the same M")
     ap.add_argument("--tiled-min-numel", type=int, default=None,
                     help="tile weights from this many elements on, every K (cuda_backend.TILED_MIN_NUMEL; 0: every "
