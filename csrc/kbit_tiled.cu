@@ -123,20 +123,21 @@ template <int K, int NW, int S, int NT>
 constexpr uint32_t range_smem_end() {
   return window_end<table_end<K, true>(), Tiled<K>::ITEM>(NW * S, range_partials_bytes<NW, NT>());
 }
-// The batched kernel's ring of XS stages and, when SPLIT warps share each tile, their partial sums: [NW warps][NT] x
-// 512 bytes
-template <int NW, int NT, int SPLIT>
+// The batched kernel's ring of XS stages and, when SPLIT warps share each tile or KS CTAs split the k range, their
+// partial sums: [NW warps][NT] x 512 bytes
+template <int NW, int NT, int SPLIT, int KS>
 constexpr uint32_t batch_partials_bytes() {
-  return SPLIT > 1 ? NW * NT * 512 : 0;
+  return SPLIT > 1 || KS > 1 ? NW * NT * 512 : 0;
 }
-template <int K, int NW, int XS, int NT, int SPLIT>
+template <int K, int NW, int XS, int NT, int SPLIT, int KS>
 constexpr uint32_t batch_partials() {
-  return partials_addr<table_end<K, false>(), batch_stage_bytes<K, NW, NT>()>(XS,
-                                                                             batch_partials_bytes<NW, NT, SPLIT>());
+  return partials_addr<table_end<K, false>(), batch_stage_bytes<K, NW, NT>()>(
+      XS, batch_partials_bytes<NW, NT, SPLIT, KS>());
 }
-template <int K, int NW, int XS, int NT, int SPLIT>
+template <int K, int NW, int XS, int NT, int SPLIT, int KS>
 constexpr uint32_t batch_smem_end() {
-  return window_end<table_end<K, false>(), batch_stage_bytes<K, NW, NT>()>(XS, batch_partials_bytes<NW, NT, SPLIT>());
+  return window_end<table_end<K, false>(), batch_stage_bytes<K, NW, NT>()>(XS,
+                                                                          batch_partials_bytes<NW, NT, SPLIT, KS>());
 }
 
 __device__ __forceinline__ uint32_t lds_at(uint32_t addr) {
@@ -332,15 +333,20 @@ template <int K, bool WIDE>
 __device__ __forceinline__ void lookup_block(const uint32_t (&w)[Tiled<K>::WORDS], int kb, uint32_t cl,
                                              uint32_t (&A)[2][4]) {
   if constexpr (K == 5) {
-    const uint32_t hw = w[16 + kb / 2], base = cl * 0x10001u;
+    // H: bytes 0 and 2 the two lookups' low address bytes (the replica plus the high bits), 1 and 3 the bytes above
+    // them: WIDE 1 or 2 (the table's two windows, by a high bit) and 1; else 1 and cl's byte 2 (the top byte: a
+    // cluster's window base, batched kernel)
+    const uint32_t hw = w[16 + kb / 2];
+    const uint32_t base = WIDE ? cl * 0x10001u : ((cl & 0xFFFFu) * 0x10001u & 0x00FFFFFFu) | (cl & 0x00FF0000u) << 8;
     constexpr int TO = WIDE ? 7 : 6;  // where (0, j)'s h0 goes
     constexpr uint32_t MASK = WIDE ? 0x01800180u : 0x00C000C0u;
+    constexpr uint32_t S0 = WIDE ? 0xD504u : 0x7504u, S1 = WIDE ? 0xF706u : 0x7506u;  // top byte: 0 or H's byte 3
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int sh = 8 * (kb & 1) + 2 * j;  // bit of (0, j)'s h0
       const uint32_t H = ((sh >= TO ? hw >> (sh - TO) : hw << (TO - sh)) & MASK) + base;
-      A[0][j] = lds_at(prmt(w[2 * kb], H, 0xD504u | (uint32_t)j << 4));
-      A[1][j] = lds_at(prmt(w[2 * kb + 1], H, 0xF706u | (uint32_t)j << 4));
+      A[0][j] = lds_at(prmt(w[2 * kb], H, S0 | (uint32_t)j << 4));
+      A[1][j] = lds_at(prmt(w[2 * kb + 1], H, S1 | (uint32_t)j << 4));
     }
   } else if constexpr (K == 3) {
     uint32_t w0, w1;
@@ -499,6 +505,33 @@ __device__ __forceinline__ void pdl_wait() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// Thread block clusters (the batched kernel's k split, KS > 1): this CTA's rank in its cluster; a barrier of every
+// thread of the cluster (release / acquire: shared-memory writes before it are seen by the cluster's reads after it);
+// four floats of CTA rank's shared memory at the address addr has in this CTA's.
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r = 0;
+#if KBIT_SM90
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+#if KBIT_SM90
+  asm volatile("barrier.cluster.arrive.release.aligned;\n barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr, uint32_t rank) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if KBIT_SM90
+  uint32_t ra;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(ra)
+               : "memory");
+#endif
+  return v;
+}
 // this lane's codebook entry cb[lane % 2^K], from which build_pair_table and codebook_bytes shuffle (after pdl_wait)
 template <int K>
 __device__ __forceinline__ float codebook_lane(const float* codebook, int lane) {
@@ -617,11 +650,16 @@ __device__ __forceinline__ void store_tile(T* y, const T* bias, int64_t out, int
 // pdl_wait.
 struct TiledCta {
   unsigned char* win;
+  uint32_t wb;  // the CTA's window base: 0, or in a cluster launch its rank << 24 (the window offsets go on top)
   int lane, warp;
   int64_t t0, t1;
-  __device__ __forceinline__ TiledCta(unsigned char* smem, uint32_t end, int64_t out) {
-    const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
-    win = smem - base;
+  // the tiles of part `index` of `count` (the batched kernel with KS > 1: its cluster's; else this CTA's)
+  __device__ __forceinline__ TiledCta(unsigned char* smem, uint32_t end, int64_t out, uint32_t index = blockIdx.x,
+                                      uint32_t count = gridDim.x, bool cluster = false) {
+    uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
+    wb = cluster ? base & 0xFF000000u : 0u;
+    base -= wb;
+    win = smem - base;  // win + a: window offset a (wb + a)
     uint32_t dsz;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsz));
     if (base > BARS || base + dsz < end) __trap();
@@ -629,13 +667,13 @@ struct TiledCta {
     warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
     // the split in 32 bits where it fits: a 64-bit division is a subroutine of about 70 dependent instructions, on the
     // way to the first bulk copy
-    const uint64_t T_ = (uint64_t)out / 16, lo = T_ * blockIdx.x, hi = T_ * (blockIdx.x + 1);
+    const uint64_t T_ = (uint64_t)out / 16, lo = T_ * index, hi = T_ * (index + 1);
     if (hi >> 32 == 0) {
-      t0 = (uint32_t)lo / gridDim.x;
-      t1 = (uint32_t)hi / gridDim.x;
+      t0 = (uint32_t)lo / count;
+      t1 = (uint32_t)hi / count;
     } else {
-      t0 = (int64_t)(lo / gridDim.x);
-      t1 = (int64_t)(hi / gridDim.x);
+      t0 = (int64_t)(lo / count);
+      t1 = (int64_t)(hi / count);
     }
   }
 };
@@ -895,7 +933,13 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 // cp.async arrivals of the activations' producer; empty barrier: the NW consumer warps. K = 5 uses its 64 KB table of
 // 16 replicas here (table_end): with the 128 KB one only 4 consumer warps' stages fit, which ran 1.05-1.54x slower
 // (docs/results/tiled_k5, run 3).
-template <typename T, int K, int NW, int XS, int NT, int SPLIT>
+// KS > 1 (layers of few tiles per SM): the CTAs form clusters of KS, a cluster owns the tiles that one CTA would, and
+// CTA rank c of it takes items [c IPT / KS, (c + 1) IPT / KS) of each: every CTA copies only its share of the
+// activations through its stages (with KS = 1 and 1..2 tiles per SM each CTA copied all of them, M x 512 bytes per
+// step next to 2 items of weights). After each round the CTAs of ranks > 0 leave their tiles' sums in shared memory
+// and rank 0 adds them in rank order (distributed shared memory, between two cluster barriers; deterministic) and
+// stores the tiles. Every thread, producers too, takes part in the cluster barriers.
+template <typename T, int K, int NW, int XS, int NT, int SPLIT, int KS>
 __global__ void __launch_bounds__((NW + batch_producers<NT>()) * 32, 1)
     gemv_tiled_batch_kernel(const T* __restrict__ x, int M, const uint8_t* __restrict__ wt,
                             const uint8_t* __restrict__ at, const float* __restrict__ scale,
@@ -906,17 +950,21 @@ __global__ void __launch_bounds__((NW + batch_producers<NT>()) * 32, 1)
 #endif
   using L = Tiled<K>;
   constexpr uint32_t XB = NT * 8 * XROW, STAGE = batch_stage_bytes<K, NW, NT>();
-  constexpr uint32_t FULL = BARS, EMPTY = BARS + 8 * XS;
   static_assert(BARS + 16 * XS <= LOW, "shared-memory map");
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr uint32_t TEND = table_end<K, false>();
   pdl_launch_dependents();
   constexpr int TPR = NW / SPLIT, BPW = 8 / SPLIT;  // tiles per round; blocks of each item per consumer warp
-  const TiledCta cta(smem, batch_smem_end<K, NW, XS, NT, SPLIT>(), out);
+  static_assert(KS == 1 || KS == 2 || KS == 4, "k split");
+  const TiledCta cta(smem, batch_smem_end<K, NW, XS, NT, SPLIT, KS>(), out, blockIdx.x / KS, gridDim.x / KS, KS > 1);
+  // the window offsets below are the CTA's from wb on (KS > 1: its rank's part of the cluster's window)
+  const uint32_t wb = KS == 1 ? 0u : cta.wb, FULL = wb + BARS, EMPTY = wb + BARS + 8 * XS;
   unsigned char* win = cta.win;
   const int lane = cta.lane, warp = cta.warp, g = lane >> 2, q = lane & 3;
   const int64_t t0 = cta.t0, t1 = cta.t1;
   const int IPT = in / 256;
+  const int rank = KS == 1 ? 0 : (int)cluster_rank();
+  const int v0 = rank * IPT / KS, v1 = (rank + 1) * IPT / KS;  // this CTA's items of each tile
   const int ntc = (int)(t1 - t0), rounds = (ntc + TPR - 1) / TPR;
   if (threadIdx.x == 0) {
     for (int s = 0; s < XS; ++s) {
@@ -929,13 +977,13 @@ __global__ void __launch_bounds__((NW + batch_producers<NT>()) * 32, 1)
   constexpr int NP = batch_producers<NT>();
   build_pair_table<T, K, false, (NW + NP) * 32>(win, codebook_lane<K>(codebook, lane), TiledScales<T>::A_TABLE);
   __syncthreads();
-  const int steps = rounds * IPT;
+  const int steps = rounds * (v1 - v0);
   if (warp >= NW) {  // the producers: NP = 2: warp NW the activations, warp NW + 1 the items; NP = 1: one warp both
     const bool acts = NP == 1 || warp == NW, items = NP == 1 || warp == NW + 1;
     const uint8_t* xb = reinterpret_cast<const uint8_t*>(x) + 16 * lane;
-    int r = 0, v = 0;
-    for (int j = 0; j < steps; ++j) {
-      const uint32_t s = j % XS, st = ring_addr<TEND, STAGE>(s);
+    // step j: item v of the round's tiles r TPR .. into stage j % XS
+    auto fill = [&](int j, int r, int v) {
+      const uint32_t s = j % XS, st = wb + ring_addr<TEND, STAGE>(s);
       if (j >= XS) mbar_wait(EMPTY + 8 * s, (j / XS - 1) & 1);
       fence_proxy_async();  // the consumers' reads of this stage before the copies' writes
       const int na = min(TPR, ntc - r * TPR);
@@ -953,18 +1001,31 @@ __global__ void __launch_bounds__((NW + batch_producers<NT>()) * 32, 1)
         bulk_copy(st + XB + lane * L::ITEM_W, wt + item * L::ITEM_W, L::ITEM_W, FULL + 8 * s);
         bulk_copy(st + XB + NW * L::ITEM_W + lane * ITEM_A, at + item * ITEM_A, ITEM_A, FULL + 8 * s);
       }
-      if (++v == IPT) {
-        v = 0;
-        ++r;
+    };
+    if constexpr (KS == 1) {
+      int r = 0, v = 0;
+      for (int j = 0; j < steps; ++j) {
+        fill(j, r, v);
+        if (++v == IPT) {
+          v = 0;
+          ++r;
+        }
+      }
+    } else {
+      int j = 0;
+      for (int r = 0; r < rounds; ++r) {
+        for (int v = v0; v < v1; ++v, ++j) fill(j, r, v);
+        cluster_sync();  // the consumers' two barriers of this round's sums (no stage of the next is filled between)
+        cluster_sync();
       }
     }
     return;
   }
-  const uint32_t cl = table_lane<K, false>(lane);
+  const uint32_t cl = table_lane<K, false>(lane) | wb >> 8;  // lookup_block: wb's byte becomes the address's top byte
   // SPLIT > 1: warps tw SPLIT .. tw SPLIT + SPLIT - 1 share tile slot tw, part p taking blocks p BPW .. p BPW + BPW - 1
   // of each item (load_part_words)
   const int tw = warp / SPLIT, part = warp % SPLIT;
-  const uint32_t red = batch_partials<K, NW, XS, NT, SPLIT>() + warp * (NT * 512) + lane * 16;
+  const uint32_t red = wb + batch_partials<K, NW, XS, NT, SPLIT, KS>() + warp * (NT * 512) + lane * 16;
   int j = 0;
   for (int r = 0; r < rounds; ++r) {
     const bool active = r * TPR + tw < ntc;
@@ -973,8 +1034,8 @@ __global__ void __launch_bounds__((NW + batch_producers<NT>()) * 32, 1)
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[nt][i] = 0.f;
-    for (int v = 0; v < IPT; ++v, ++j) {
-      const uint32_t s = j % XS, st = ring_addr<TEND, STAGE>(s);
+    for (int v = v0; v < v1; ++v, ++j) {
+      const uint32_t s = j % XS, st = wb + ring_addr<TEND, STAGE>(s);
       mbar_wait(FULL + 8 * s, (j / XS) & 1);
       if (active) {
         const uint32_t iw = st + XB + tw * L::ITEM_W, ia = st + XB + NW * L::ITEM_W + tw * ITEM_A;
@@ -1041,7 +1102,33 @@ __global__ void __launch_bounds__((NW + batch_producers<NT>()) * 32, 1)
       }
       if (r + 1 < rounds) bar_group(1, NW * 32);
     }
-    if (active && part == 0) {
+    if constexpr (KS > 1) {
+      // ranks > 0 leave their sums (part 0's region: parts 1.. use theirs above); rank 0 adds them in rank order; the
+      // second barrier keeps a region until rank 0 has read it (the next round's sums, or the CTA's exit)
+      if (active && part == 0 && rank > 0) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          if (8 * nt < M) sts128_at(red + nt * 512, acc[nt]);
+      }
+      cluster_sync();
+      if (active && part == 0 && rank == 0) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          if (8 * nt < M) {
+#pragma unroll
+            for (int c = 1; c < KS; ++c) {
+              const float4 o = ld_cluster_f4(red + nt * 512, (uint32_t)c);
+              acc[nt][0] += o.x;
+              acc[nt][1] += o.y;
+              acc[nt][2] += o.z;
+              acc[nt][3] += o.w;
+            }
+          }
+        }
+      }
+      cluster_sync();
+    }
+    if (active && part == 0 && rank == 0) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
         if (8 * nt < M)
@@ -1331,18 +1418,27 @@ bool pdl_enabled() {
 // Launches a tiled GEMV with programmatic stream serialization (pdl_wait above), unless KBIT_PDL=0: it may then start
 // while the kernel before it drains. Both GEMVs are persistent, one CTA per SM, so an early start only takes SMs that
 // the kernel before has left.
+// cluster > 1: in clusters of that many CTAs (the batched kernel's k split).
 template <typename Kernel, typename... Args>
-int launch_gemv(Kernel kernel, unsigned grid, unsigned threads, int dyn, cudaStream_t st, Args... args) {
+int launch_gemv(Kernel kernel, unsigned grid, unsigned threads, int dyn, cudaStream_t st, unsigned cluster,
+                Args... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = (size_t)dyn;
   cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (pdl_enabled()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n++].val.clusterDim = {cluster, 1, 1};
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  cfg.numAttrs = n;
   return (int)cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
@@ -1358,45 +1454,90 @@ int gemv_tiled_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const
     if (e != cudaSuccess) return (int)e;
     attr_set[dev] = true;
   }
-  return launch_gemv(gemv_tiled_kernel<T, K, NW, S, NT, R3>, (unsigned)sms, NW * 32, dyn, st, x, M, wt, at, scale, cb,
-                     bias, out, (int)in, y);
+  return launch_gemv(gemv_tiled_kernel<T, K, NW, S, NT, R3>, (unsigned)sms, NW * 32, dyn, st, 1u, x, M, wt, at, scale,
+                     cb, bias, out, (int)in, y);
 }
 
 // The batched kernel's launch: NW consumer warps and batch_producers producer warps, XS stages, SPLIT consumer warps
-// per tile.
-template <typename T, int K, int NW, int XS, int NT, int SPLIT>
+// per tile, grid CTAs in clusters of KS (batch_owners).
+template <typename T, int K, int NW, int XS, int NT, int SPLIT, int KS>
 int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
-                        const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
+                        const T* bias, int64_t out, int64_t in, T* y, int dev, unsigned grid, cudaStream_t st) {
   static bool attr_set[64] = {};
-  constexpr uint32_t dyn = batch_smem_end<K, NW, XS, NT, SPLIT>();
+  constexpr uint32_t dyn = batch_smem_end<K, NW, XS, NT, SPLIT, KS>();
   static_assert(dyn <= 227 * 1024, "the batched kernel's shared window exceeds sm_90's 227 KB");
   if (!attr_set[dev]) {
-    const cudaError_t e = cudaFuncSetAttribute(gemv_tiled_batch_kernel<T, K, NW, XS, NT, SPLIT>,
+    const cudaError_t e = cudaFuncSetAttribute(gemv_tiled_batch_kernel<T, K, NW, XS, NT, SPLIT, KS>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn);
     if (e != cudaSuccess) return (int)e;
     attr_set[dev] = true;
   }
-  return launch_gemv(gemv_tiled_batch_kernel<T, K, NW, XS, NT, SPLIT>, (unsigned)sms, (NW + batch_producers<NT>()) * 32,
-                     (int)dyn, st, x, M, wt, at, scale, cb, bias, out, (int)in, y);
+  return launch_gemv(gemv_tiled_batch_kernel<T, K, NW, XS, NT, SPLIT, KS>, grid, (NW + batch_producers<NT>()) * 32,
+                     (int)dyn, st, (unsigned)KS, x, M, wt, at, scale, cb, bias, out, (int)in, y);
 }
-// SPLIT warps per tile where the CTAs have too few tiles for their NW consumer warps: 4 where the busiest CTA has at
-// most NW / 4 tiles (4096x14336, 4096x4096 on 132 SMs), and for K = 5 at NT = 8 2 where it has at most NW / 2
-// (8192x8192, 6144x4096), else 1. split > 0 forces one (tests). Forced (twenty-second session,
+// The batched kernel's tile owners: KS = 1 a CTA per SM; else the clusters of KS CTAs that fit at once
+// (cudaOccupancyMaxActiveClusters, once per device; the same for every SPLIT: their shared windows are equal). 0 and
+// an error code in rc if the query fails.
+template <typename T, int K, int NW, int XS, int NT, int KS>
+int batch_owners(int dev, int sms, int& rc) {
+  if (KS == 1) return sms;
+  static int owners[64] = {};
+  if (owners[dev] == 0) {
+    auto kernel = gemv_tiled_batch_kernel<T, K, NW, XS, NT, 1, KS>;
+    constexpr uint32_t dyn = batch_smem_end<K, NW, XS, NT, 1, KS>();
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(KS * sms);
+    cfg.blockDim = dim3((NW + batch_producers<NT>()) * 32);
+    cfg.dynamicSmemBytes = dyn;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim = {(unsigned)KS, 1, 1};
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int n = 0;
+    if (e == cudaSuccess) e = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg);
+    if (e != cudaSuccess || n < 1) {
+      rc = e != cudaSuccess ? (int)e : (int)cudaErrorInvalidConfiguration;
+      return 0;
+    }
+    owners[dev] = n;
+  }
+  return owners[dev];
+}
+// SPLIT warps per tile where the CTAs (KS > 1: the clusters) have too few tiles for their NW consumer warps: 4 where
+// the busiest has at most NW / 4 tiles (4096x14336, 4096x4096 on 132 SMs), and for K = 5 at NT = 8 2 where it has at
+// most NW / 2 (8192x8192, 6144x4096), else 1. split > 0 forces one (tests). Forced (twenty-second session,
 // docs/results/batch_split runs 2-4), against 1: SPLIT = 4 1.00-1.39x on 4096x4096 (M = 9..40, both GPUs) and
 // 1.04-1.47x on 4096x14336 (M = 9..64, H100); SPLIT = 2 for K = 5 at M = 33..64 1.08-1.22x (both GPUs), but for
 // K = 2..4 0.94-1.01x there and for K = 5 at M <= 32 0.92-0.97x (H100). Not profiled; K = 5's lookups conflict 2-way
 // in this kernel (table_end), which more warps may hide.
-template <typename T, int K, int NW, int XS, int NT>
+template <typename T, int K, int NW, int XS, int NT, int KS>
 int gemv_tiled_batch_split(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                            const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, int split,
                            cudaStream_t st) {
-  const int64_t most = (out / 16 + sms - 1) / sms;  // tiles of the busiest CTA (TiledCta: an even split)
+  int rc = 0;
+  const int owners = batch_owners<T, K, NW, XS, NT, KS>(dev, sms, rc);
+  if (owners == 0) return rc;
+  const unsigned grid = (unsigned)(KS * owners);
+  const int64_t most = (out / 16 + owners - 1) / owners;  // tiles of the busiest owner (TiledCta: an even split)
   if (split == 0) split = 4 * most <= NW ? 4 : K == 5 && NT == 8 && 2 * most <= NW ? 2 : 1;
   if (split == 4)
-    return gemv_tiled_batch_go<T, K, NW, XS, NT, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+    return gemv_tiled_batch_go<T, K, NW, XS, NT, 4, KS>(x, M, wt, at, scale, cb, bias, out, in, y, dev, grid, st);
   if (split == 2)
-    return gemv_tiled_batch_go<T, K, NW, XS, NT, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-  return gemv_tiled_batch_go<T, K, NW, XS, NT, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+    return gemv_tiled_batch_go<T, K, NW, XS, NT, 2, KS>(x, M, wt, at, scale, cb, bias, out, in, y, dev, grid, st);
+  return gemv_tiled_batch_go<T, K, NW, XS, NT, 1, KS>(x, M, wt, at, scale, cb, bias, out, in, y, dev, grid, st);
+}
+// KS CTAs per cluster splitting the k range (gemv_tiled_batch_kernel)
+template <typename T, int K, int NW, int XS, int NT>
+int gemv_tiled_batch_ks(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
+                        const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, int split, int ks,
+                        cudaStream_t st) {
+  if (ks == 4)
+    return gemv_tiled_batch_split<T, K, NW, XS, NT, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, st);
+  if (ks == 2)
+    return gemv_tiled_batch_split<T, K, NW, XS, NT, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, st);
+  return gemv_tiled_batch_split<T, K, NW, XS, NT, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, st);
 }
 
 // Which kernel, by the H100 measurements of docs/kernels_history.md (tenth to twenty-third sessions). M <= 8:
@@ -1435,18 +1576,19 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
   const bool small = items_per_warp < 2;
   const bool batch_mid =
       tiles >= sms && (small ? (K == 2 ? M > 40 : K == 3 ? M > 16 : M > 15) : M > (K <= 3 ? 35 : 32));
-  const bool batch = kernel >= KBIT_TILED_BATCH ||
+  const int base = kernel & 7, ks = kernel >> 3 ? 1 << (kernel >> 3) : 1;  // KBIT_TILED_KS2 / KS4
+  const bool batch = base >= KBIT_TILED_BATCH ||
                      (kernel == KBIT_TILED_AUTO && M > 8 && !range_first && (tiles >= 2 * sms || batch_mid));
   if (batch) {
-    const int split = kernel == KBIT_TILED_BATCH1   ? 1
-                      : kernel == KBIT_TILED_BATCH2 ? 2
-                      : kernel == KBIT_TILED_BATCH4 ? 4
-                                                    : 0;  // 0: gemv_tiled_batch_split's choice
+    const int split = base == KBIT_TILED_BATCH1   ? 1
+                      : base == KBIT_TILED_BATCH2 ? 2
+                      : base == KBIT_TILED_BATCH4 ? 4
+                                                  : 0;  // 0: gemv_tiled_batch_split's choice
     if (M <= 16)
-      return gemv_tiled_batch_split<T, K, 8, 4, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, st);
+      return gemv_tiled_batch_ks<T, K, 8, 4, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, ks, st);
     if (M <= 32)
-      return gemv_tiled_batch_split<T, K, 8, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, st);
-    return gemv_tiled_batch_split<T, K, 8, 2, 8>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, st);
+      return gemv_tiled_batch_ks<T, K, 8, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, ks, st);
+    return gemv_tiled_batch_ks<T, K, 8, 2, 8>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, ks, st);
   }
   // K3Regs: K = 3 decodes some blocks in registers from M = K3_REG_MIN_M on, so at NT > 1 (M >= 9) always
   constexpr int R3 = K == 3 ? K3_REG_MASK : 0;
@@ -1540,7 +1682,9 @@ KBIT_API int kbit_tiled_timeline(unsigned long long* host, int n) {
 KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at, const float* scale,
                              const float* codebook, int k, int64_t out, int64_t in, const void* bias, void* y,
                              int kernel, void* stream) {
-  if (!tiled_shape(out, in) || M < 1 || M > 64 || kernel < KBIT_TILED_AUTO || kernel > KBIT_TILED_BATCH4)
+  const int base = kernel & 7, ks = kernel >> 3;
+  if (!tiled_shape(out, in) || M < 1 || M > 64 || kernel < 0 || base > KBIT_TILED_BATCH4 || ks > 2 ||
+      (ks > 0 && base < KBIT_TILED_BATCH))
     return (int)cudaErrorInvalidValue;
   cudaStream_t st = (cudaStream_t)stream;
   const uint8_t *w = (const uint8_t*)wt, *a = (const uint8_t*)at;
