@@ -52,8 +52,8 @@ KBIT_API int kbit_dequantize_tiled(const void* wt, const void* at, const float* 
 /* fused GEMV over the tiled layout, 1 <= M <= 64, x/bias/y float16 or bfloat16 (x 16-byte aligned); sm_90 only
  * (cudaErrorNotSupported on other devices). kernel: KBIT_TILED_AUTO (the library's choice), or KBIT_TILED_RANGE /
  * KBIT_TILED_BATCH to force the per-warp-range or the batched (M > 8) kernel, KBIT_TILED_BATCH1 / 2 / 4 the batched
- * kernel with 1, 2 or 4 warps per tile (tests); a BATCH code + KBIT_TILED_KS2 / KS4: the batched kernel with
- * the k range split over clusters of 2 / 4 CTAs. */
+ * kernel with 1, 2 or 4 warps per tile (tests); a BATCH code + KBIT_TILED_KS2: the batched kernel with its k
+ * range split over clusters of 2 CTAs. */
 enum {
   KBIT_TILED_AUTO = 0,
   KBIT_TILED_RANGE = 1,
@@ -61,8 +61,7 @@ enum {
   KBIT_TILED_BATCH1 = 3,
   KBIT_TILED_BATCH2 = 4,
   KBIT_TILED_BATCH4 = 5,
-  KBIT_TILED_KS2 = 8,
-  KBIT_TILED_KS4 = 16
+  KBIT_TILED_KS2 = 8
 };
 KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at,
                              const float* scale, const float* codebook, int k, int64_t out, int64_t in,

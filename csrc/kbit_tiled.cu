@@ -933,12 +933,14 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 // cp.async arrivals of the activations' producer; empty barrier: the NW consumer warps. K = 5 uses its 64 KB table of
 // 16 replicas here (table_end): with the 128 KB one only 4 consumer warps' stages fit, which ran 1.05-1.54x slower
 // (docs/results/tiled_k5, run 3).
-// KS > 1 (layers of few tiles per SM): the CTAs form clusters of KS, a cluster owns the tiles that one CTA would, and
-// CTA rank c of it takes items [c IPT / KS, (c + 1) IPT / KS) of each: every CTA copies only its share of the
-// activations through its stages (with KS = 1 and 1..2 tiles per SM each CTA copied all of them, M x 512 bytes per
-// step next to 2 items of weights). After each round the CTAs of ranks > 0 leave their tiles' sums in shared memory
-// and rank 0 adds them in rank order (distributed shared memory, between two cluster barriers; deterministic) and
-// stores the tiles. Every thread, producers too, takes part in the cluster barriers.
+// KS = 2 (layers of <= 4 tiles per SM, gemv_tiled_launch): the CTAs form clusters of KS, a cluster owns the tiles that
+// one CTA would own, and CTA rank c of it takes items [c IPT / KS, (c + 1) IPT / KS) of each. Each CTA then copies
+// half the activations through its stages for twice the tiles: with one CTA per owner, a layer of 1..2 tiles per SM
+// copied M x 512 bytes of activations per step next to 2 items of weights, and one of 3..4 left half the consumer
+// warps without a tile. After each round the CTAs of ranks > 0 leave their tiles' sums in shared memory and rank 0
+// adds them in rank order (distributed shared memory, between two cluster barriers; deterministic) and stores the
+// tiles. Every thread, producers too, takes part in the cluster barriers. (Clusters of 4 measured slower: only 30 fit
+// on the H100's 132 SMs, twenty-fourth session.)
 template <typename T, int K, int NW, int XS, int NT, int SPLIT, int KS>
 __global__ void __launch_bounds__((NW + batch_producers<NT>()) * 32, 1)
     gemv_tiled_batch_kernel(const T* __restrict__ x, int M, const uint8_t* __restrict__ wt,
@@ -955,7 +957,7 @@ __global__ void __launch_bounds__((NW + batch_producers<NT>()) * 32, 1)
   constexpr uint32_t TEND = table_end<K, false>();
   pdl_launch_dependents();
   constexpr int TPR = NW / SPLIT, BPW = 8 / SPLIT;  // tiles per round; blocks of each item per consumer warp
-  static_assert(KS == 1 || KS == 2 || KS == 4, "k split");
+  static_assert(KS == 1 || KS == 2, "k split");
   const TiledCta cta(smem, batch_smem_end<K, NW, XS, NT, SPLIT, KS>(), out, blockIdx.x / KS, gridDim.x / KS, KS > 1);
   // the window offsets below are the CTA's from wb on (KS > 1: its rank's part of the cluster's window)
   const uint32_t wb = KS == 1 ? 0u : cta.wb, FULL = wb + BARS, EMPTY = wb + BARS + 8 * XS;
@@ -1505,13 +1507,14 @@ int batch_owners(int dev, int sms, int& rc) {
   }
   return owners[dev];
 }
-// SPLIT warps per tile where the CTAs (KS > 1: the clusters) have too few tiles for their NW consumer warps: 4 where
-// the busiest has at most NW / 4 tiles (4096x14336, 4096x4096 on 132 SMs), and for K = 5 at NT = 8 2 where it has at
-// most NW / 2 (8192x8192, 6144x4096), else 1. split > 0 forces one (tests). Forced (twenty-second session,
-// docs/results/batch_split runs 2-4), against 1: SPLIT = 4 1.00-1.39x on 4096x4096 (M = 9..40, both GPUs) and
-// 1.04-1.47x on 4096x14336 (M = 9..64, H100); SPLIT = 2 for K = 5 at M = 33..64 1.08-1.22x (both GPUs), but for
-// K = 2..4 0.94-1.01x there and for K = 5 at M <= 32 0.92-0.97x (H100). Not profiled; K = 5's lookups conflict 2-way
-// in this kernel (table_end), which more warps may hide.
+// SPLIT warps per tile where the tile owners (CTAs, or with KS = 2 clusters) have too few tiles for their NW consumer
+// warps. KS = 1: 4 where the busiest has at most NW / 4 tiles, and for K = 5 at NT = 8 2 where it has at most NW / 2
+// (8192x8192, 6144x4096), else 1. Forced (twenty-second session, docs/results/batch_split runs 2-4), against 1: SPLIT
+// = 4 1.00-1.39x on 4096x4096 (M = 9..40, both GPUs) and 1.04-1.47x on 4096x14336 (M = 9..64, H100); SPLIT = 2 for
+// K = 5 at M = 33..64 1.08-1.22x (both GPUs), but for K = 2..4 0.94-1.01x there and for K = 5 at M <= 32 0.92-0.97x
+// (H100). KS = 2: 2 where a cluster has at most NW / 2 tiles (4096x14336, 4096x11008, 4096x4096) for K = 2..4 from
+// NT = 4 on (M >= 17: 1.00-1.10x over 1; at M <= 16 0.92-0.99x; K = 5 0.92-1.02x; twenty-fourth session,
+// docs/results/ksplit runs 4, 5). split > 0 forces one (tests).
 template <typename T, int K, int NW, int XS, int NT, int KS>
 int gemv_tiled_batch_split(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                            const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, int split,
@@ -1521,20 +1524,21 @@ int gemv_tiled_batch_split(const T* x, int M, const uint8_t* wt, const uint8_t* 
   if (owners == 0) return rc;
   const unsigned grid = (unsigned)(KS * owners);
   const int64_t most = (out / 16 + owners - 1) / owners;  // tiles of the busiest owner (TiledCta: an even split)
-  if (split == 0) split = 4 * most <= NW ? 4 : K == 5 && NT == 8 && 2 * most <= NW ? 2 : 1;
+  if (split == 0)
+    split = 4 * most <= NW                                                     ? 4
+            : 2 * most <= NW && (KS == 1 ? K == 5 && NT == 8 : K < 5 && NT > 2) ? 2
+                                                                                : 1;
   if (split == 4)
     return gemv_tiled_batch_go<T, K, NW, XS, NT, 4, KS>(x, M, wt, at, scale, cb, bias, out, in, y, dev, grid, st);
   if (split == 2)
     return gemv_tiled_batch_go<T, K, NW, XS, NT, 2, KS>(x, M, wt, at, scale, cb, bias, out, in, y, dev, grid, st);
   return gemv_tiled_batch_go<T, K, NW, XS, NT, 1, KS>(x, M, wt, at, scale, cb, bias, out, in, y, dev, grid, st);
 }
-// KS CTAs per cluster splitting the k range (gemv_tiled_batch_kernel)
+// ks = 2: the k range split over clusters of 2 CTAs (gemv_tiled_batch_kernel)
 template <typename T, int K, int NW, int XS, int NT>
 int gemv_tiled_batch_ks(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                         const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, int split, int ks,
                         cudaStream_t st) {
-  if (ks == 4)
-    return gemv_tiled_batch_split<T, K, NW, XS, NT, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, st);
   if (ks == 2)
     return gemv_tiled_batch_split<T, K, NW, XS, NT, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, st);
   return gemv_tiled_batch_split<T, K, NW, XS, NT, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, st);
@@ -1566,17 +1570,22 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
       K <= 3 ? M <= 15
              : (M <= 14 && (many || (half_idle && items_per_warp >= 4))) ||
                    (M <= 10 && quarter_idle && !(K == 5 && items_per_warp < 4)) || (M <= 16 && half_idle && many);
-  // 1..2 tiles per SM (the batched kernel then gives each tile 4 warps: gemv_tiled_batch_split). Above M = 16, where
-  // the batched kernel has two producer warps (twenty-third session, docs/results/producers run 8, H100, both forced):
-  // on 4096x14336 from M = 33 for K = 4, 5 (1.07-1.24x at 33..40) and from M = 36 for K = 2, 3 (1.01-1.08x at 36, 40;
-  // 0.99-1.01x at 33); on small layers (< 2 items per warp: 4096x4096) for K = 3..5 (1.02-1.37x at M = 20..32; K = 2,
-  // where the two tie at M = 9..32, from M = 41). At M = 9..16, with one producer warp, as measured before: K = 4 from
-  // M = 16, K = 5 at 16 (sixteenth session, docs/results/short_epilogue/run7-9, twenty-second session,
-  // docs/results/batch_split runs 3, 4).
+  // 1..2 tiles per SM, where the batched kernel splits the k range over clusters of 2 CTAs (below) and gives each tile
+  // 2 or 4 warps (gemv_tiled_batch_split). Twenty-fourth session (docs/results/ksplit runs 4, 5, H100, against the
+  // range kernel): on 4096x14336 and 4096x11008 from M = 17 (1.09-1.33x at 17; at 16 K = 2, 3 0.86-0.93x, K = 4
+  // 1.02-1.03x) and for K = 5 from 16 (1.14-1.17x); on small layers (< 2 items per warp: 4096x4096) K = 3 from 16
+  // (1.15-1.20x), K = 4 from 11 (1.10-1.13x at 12; 0.99-1.00x at 9) and K = 5 at every M (1.04-1.06x at 9). K = 2 (its
+  // 4096x4096 keeps the bit planes) from M = 41 as the twenty-third session measured it against one CTA per owner
+  // (docs/results/producers run 8).
   const bool small = items_per_warp < 2;
-  const bool batch_mid =
-      tiles >= sms && (small ? (K == 2 ? M > 40 : K == 3 ? M > 16 : M > 15) : M > (K <= 3 ? 35 : 32));
-  const int base = kernel & 7, ks = kernel >> 3 ? 1 << (kernel >> 3) : 1;  // KBIT_TILED_KS2 / KS4
+  const bool batch_mid = tiles >= sms && (small ? (K == 2 ? M > 40 : K == 3 ? M > 15 : K == 4 ? M > 10 : true)
+                                                : M > (K == 5 ? 15 : 16));
+  // the k split: forced (KBIT_TILED_KS2), or in auto mode over clusters of 2 CTAs on layers of <= 4 tiles per SM (one
+  // round of <= 8 tiles per cluster; twenty-fourth session, docs/results/ksplit runs 4, 5, H100: 1.03-1.39x over one
+  // CTA per owner at M >= 17 on 4096x14336, 4096x11008, 5120x13824, 5120x5120, 8192x8192, 8192x28672 and 4096x4096
+  // (K = 3..5); 0.96-1.07x on 6144x4096 and 0.97-1.05x on 7168x4096; 0.74-0.91x on 14336x4096, 7 tiles per SM)
+  const int base = kernel & 7;
+  const int ks = kernel == KBIT_TILED_AUTO ? (tiles <= 4 * (int64_t)sms ? 2 : 1) : kernel & KBIT_TILED_KS2 ? 2 : 1;
   const bool batch = base >= KBIT_TILED_BATCH ||
                      (kernel == KBIT_TILED_AUTO && M > 8 && !range_first && (tiles >= 2 * sms || batch_mid));
   if (batch) {
@@ -1683,7 +1692,7 @@ KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* 
                              const float* codebook, int k, int64_t out, int64_t in, const void* bias, void* y,
                              int kernel, void* stream) {
   const int base = kernel & 7, ks = kernel >> 3;
-  if (!tiled_shape(out, in) || M < 1 || M > 64 || kernel < 0 || base > KBIT_TILED_BATCH4 || ks > 2 ||
+  if (!tiled_shape(out, in) || M < 1 || M > 64 || kernel < 0 || base > KBIT_TILED_BATCH4 || ks > 1 ||
       (ks > 0 && base < KBIT_TILED_BATCH))
     return (int)cudaErrorInvalidValue;
   cudaStream_t st = (cudaStream_t)stream;

@@ -50,7 +50,7 @@ __all__ = [
 
 GEMV_MAX_M = 64  # the fused dequant-GEMV handles up to this many activation rows; more -> dequantize + cuBLAS
 # csrc/kbit_quant.cu kbit_abi_version(); 2: kbit_gemv takes M <= 64; 3: the tiled layout; 4: kernel arg; 5: the tiled
-# functions take k (K = 2 tiled); 6: K = 5 tiled; 7: K = 3 tiled; 8: the batched kernel's k split (KBIT_TILED_KS2/4)
+# functions take k (K = 2 tiled); 6: K = 5 tiled; 7: K = 3 tiled; 8: the batched kernel's k split (KBIT_TILED_KS2)
 _ABI_VERSION = 8
 # expert GEMV (one kernel, each row reads its expert's weights) up to this many rows; more -> per-expert matmuls
 # after one host sync. A MoE prefill of 64 tokens x top-8 is 512 rows: the per-expert loop launches several kernels
@@ -371,11 +371,10 @@ def linear_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
 
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 # which tiled GEMV kernel runs (csrc/kbit_api.h, KBIT_TILED_*): the library's choice, or one forced by tests and
-# benchmarks (per-warp ranges; batched, or batched with 1, 2 or 4 warps per tile; "k2" / "k4": batched with the k
-# range split over clusters of 2 / 4 CTAs)
+# benchmarks (per-warp ranges; batched, or batched with 1, 2 or 4 warps per tile; "...k2": batched with the k range
+# split over clusters of 2 CTAs, KBIT_TILED_KS2)
 TILED_KERNELS = {"auto": 0, "range": 1, "batch": 2, "batch1": 3, "batch2": 4, "batch4": 5}
-TILED_KERNELS.update({f"{name}k{ks}": code + 8 * (ks // 2) for ks in (2, 4)
-                      for name, code in tuple(TILED_KERNELS.items()) if code >= 2})
+TILED_KERNELS.update({f"{name}k2": code + 8 for name, code in tuple(TILED_KERNELS.items()) if code >= 2})
 tiled_kernel = TILED_KERNELS["auto"]
 
 

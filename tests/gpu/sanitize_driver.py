@@ -52,9 +52,8 @@ def main():
             cuda.dequantize(wt, at, s, cb, k, shape[1], odt)
             n += 1
         if cuda.tiled_supported(torch.device("cuda")):
-            # each tiled GEMV kernel forced (the batched one also with its k split over clusters of 2 and 4 CTAs)
-            for kernel in ("range", "batch1", "batch2", "batch4", "batch1k2", "batch2k2", "batch4k2", "batch1k4",
-                           "batch2k4", "batch4k4"):
+            # each tiled GEMV kernel forced (the batched one also with its k split over clusters of 2 CTAs)
+            for kernel in ("range", "batch1", "batch2", "batch4", "batch1k2", "batch2k2", "batch4k2"):
                 cuda.tiled_kernel = cuda.TILED_KERNELS[kernel]
                 for xdt in (torch.bfloat16, torch.float16):
                     for M in (1, 8, 9, 17, 33, 64):
