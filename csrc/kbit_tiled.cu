@@ -329,18 +329,18 @@ __device__ __forceinline__ void k3_block_words(const uint32_t (&w)[N], int kb, u
 // so one shift, mask and add put the bits of (0, j) and (1, j) into H = [lane byte | h0 << 7, 1 + h1, lane byte |
 // h0' << 7, 1 + h1'] (WIDE; otherwise [lane byte | h0 << 6 | h1 << 7, 1, ..]), and a PRMT takes the address bytes
 // (lane byte, weight byte j, window byte, the window byte's sign: 0) from H and the weight word.
-template <int K, bool WIDE>
+// TOP (batched kernel, K = 5, not WIDE): cl's byte 2 is the address's top byte (a cluster CTA's window base): H's byte
+// 3 carries it instead of a second 1, and the PRMT takes it from there instead of a sign.
+template <int K, bool WIDE, bool TOP = false>
 __device__ __forceinline__ void lookup_block(const uint32_t (&w)[Tiled<K>::WORDS], int kb, uint32_t cl,
                                              uint32_t (&A)[2][4]) {
   if constexpr (K == 5) {
-    // H: bytes 0 and 2 the two lookups' low address bytes (the replica plus the high bits), 1 and 3 the bytes above
-    // them: WIDE 1 or 2 (the table's two windows, by a high bit) and 1; else 1 and cl's byte 2 (the top byte: a
-    // cluster's window base, batched kernel)
+    static_assert(!(WIDE && TOP), "the range kernel runs without clusters");
     const uint32_t hw = w[16 + kb / 2];
-    const uint32_t base = WIDE ? cl * 0x10001u : ((cl & 0xFFFFu) * 0x10001u & 0x00FFFFFFu) | (cl & 0x00FF0000u) << 8;
+    const uint32_t base = TOP ? ((cl & 0xFFFFu) * 0x10001u & 0x00FFFFFFu) | (cl & 0x00FF0000u) << 8 : cl * 0x10001u;
     constexpr int TO = WIDE ? 7 : 6;  // where (0, j)'s h0 goes
     constexpr uint32_t MASK = WIDE ? 0x01800180u : 0x00C000C0u;
-    constexpr uint32_t S0 = WIDE ? 0xD504u : 0x7504u, S1 = WIDE ? 0xF706u : 0x7506u;  // top byte: 0 or H's byte 3
+    constexpr uint32_t S0 = TOP ? 0x7504u : 0xD504u, S1 = TOP ? 0x7506u : 0xF706u;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int sh = 8 * (kb & 1) + 2 * j;  // bit of (0, j)'s h0
@@ -653,11 +653,10 @@ struct TiledCta {
   uint32_t wb;  // the CTA's window base: 0, or in a cluster launch its rank << 24 (the window offsets go on top)
   int lane, warp;
   int64_t t0, t1;
-  // the tiles of part `index` of `count` (the batched kernel with KS > 1: its cluster's; else this CTA's)
-  __device__ __forceinline__ TiledCta(unsigned char* smem, uint32_t end, int64_t out, uint32_t index = blockIdx.x,
-                                      uint32_t count = gridDim.x, bool cluster = false) {
+  // ks > 1: the CTAs form clusters of ks (the batched kernel's k split), which own the tiles
+  __device__ __forceinline__ TiledCta(unsigned char* smem, uint32_t end, int64_t out, int ks = 1) {
     uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
-    wb = cluster ? base & 0xFF000000u : 0u;
+    wb = ks > 1 ? base & 0xFF000000u : 0u;
     base -= wb;
     win = smem - base;  // win + a: window offset a (wb + a)
     uint32_t dsz;
@@ -667,13 +666,13 @@ struct TiledCta {
     warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
     // the split in 32 bits where it fits: a 64-bit division is a subroutine of about 70 dependent instructions, on the
     // way to the first bulk copy
-    const uint64_t T_ = (uint64_t)out / 16, lo = T_ * index, hi = T_ * (index + 1);
+    const uint64_t T_ = (uint64_t)out / 16, lo = T_ * (blockIdx.x / ks), hi = T_ * (blockIdx.x / ks + 1);
     if (hi >> 32 == 0) {
-      t0 = (uint32_t)lo / count;
-      t1 = (uint32_t)hi / count;
+      t0 = (uint32_t)lo / (gridDim.x / ks);
+      t1 = (uint32_t)hi / (gridDim.x / ks);
     } else {
-      t0 = (int64_t)(lo / count);
-      t1 = (int64_t)(hi / count);
+      t0 = (int64_t)(lo / (gridDim.x / ks));
+      t1 = (int64_t)(hi / (gridDim.x / ks));
     }
   }
 };
@@ -958,7 +957,7 @@ __global__ void __launch_bounds__((NW + batch_producers<NT>()) * 32, 1)
   pdl_launch_dependents();
   constexpr int TPR = NW / SPLIT, BPW = 8 / SPLIT;  // tiles per round; blocks of each item per consumer warp
   static_assert(KS == 1 || KS == 2, "k split");
-  const TiledCta cta(smem, batch_smem_end<K, NW, XS, NT, SPLIT, KS>(), out, blockIdx.x / KS, gridDim.x / KS, KS > 1);
+  const TiledCta cta(smem, batch_smem_end<K, NW, XS, NT, SPLIT, KS>(), out, KS);
   // the window offsets below are the CTA's from wb on (KS > 1: its rank's part of the cluster's window)
   const uint32_t wb = KS == 1 ? 0u : cta.wb, FULL = wb + BARS, EMPTY = wb + BARS + 8 * XS;
   unsigned char* win = cta.win;
@@ -1060,7 +1059,7 @@ __global__ void __launch_bounds__((NW + batch_producers<NT>()) * 32, 1)
           const uint32_t p0 = TiledScales<T>::a_scale((sa[2 * ch] >> (8 * bb)) & 0xFFu);      // rows g
           const uint32_t p1 = TiledScales<T>::a_scale((sa[2 * ch + 1] >> (8 * bb)) & 0xFFu);  // rows g + 8
           uint32_t A[2][4];
-          lookup_block<K, false>(w, kl, cl, A);
+          lookup_block<K, false, (KS > 1)>(w, kl, cl, A);
 #pragma unroll
           for (int h = 0; h < 2; ++h)
 #pragma unroll
