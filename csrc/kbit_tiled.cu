@@ -1512,7 +1512,7 @@ int batch_owners(int dev, int sms, int& rc) {
 // = 4 1.00-1.39x on 4096x4096 (M = 9..40, both GPUs) and 1.04-1.47x on 4096x14336 (M = 9..64, H100); SPLIT = 2 for
 // K = 5 at M = 33..64 1.08-1.22x (both GPUs), but for K = 2..4 0.94-1.01x there and for K = 5 at M <= 32 0.92-0.97x
 // (H100). KS = 2: 2 where a cluster has at most NW / 2 tiles (4096x14336, 4096x11008, 4096x4096) for K = 2..4 from
-// NT = 4 on (M >= 17: 1.00-1.10x over 1; at M <= 16 0.92-0.99x; K = 5 0.92-1.02x; twenty-fourth session,
+// NT = 4 on (against 1 at M >= 17: 0.96-1.15x, at M <= 16 0.95-1.02x; K = 5 0.91-1.06x; twenty-fourth session,
 // docs/results/ksplit runs 4, 5). split > 0 forces one (tests).
 template <typename T, int K, int NW, int XS, int NT, int KS>
 int gemv_tiled_batch_split(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
@@ -1543,15 +1543,16 @@ int gemv_tiled_batch_ks(const T* x, int M, const uint8_t* wt, const uint8_t* at,
   return gemv_tiled_batch_split<T, K, NW, XS, NT, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, st);
 }
 
-// Which kernel, by the H100 measurements of docs/kernels_history.md (tenth to twenty-third sessions). M <= 8:
+// Which kernel, by the H100 measurements of docs/kernels_history.md (tenth to twenty-fourth sessions). M <= 8:
 // gemv_tiled_kernel, 16 warps of one slot each (at steady state its K = 4 reads run at the copy bandwidth; more slots,
 // or for K = 2 two items per bulk copy, measured slower or even, also on small layers). M = 9..64: the batched kernel
-// where the CTAs have tiles to give their warps (>= 2 per SM, and on 1..2 tiles per SM from the M below), except at
-// the smallest M on layers of many items per warp, where the range kernel's two token tiles share each lookup (the
-// rule and its figures in gemv_tiled_launch; the earlier rules, measured against the batched kernel with one producer
-// warp, in kernels_history.md, tenth to twenty-second sessions). Otherwise the range kernel: 16 warps for M <= 16, 8
-// for M <= 32 (their accumulators need the registers), and launches of 32 tokens above. kernel: KBIT_TILED_AUTO, or
-// KBIT_TILED_RANGE / KBIT_TILED_BATCH* to force one (tests).
+// (in clusters of 2 CTAs on layers of <= 4 tiles per SM) where the tile owners have tiles to give their warps (>= 2 per
+// SM, and on 1..2 tiles per SM from the M below), except at the smallest M on layers of many items per warp, where the
+// range kernel's two token tiles share each lookup (the rule and its figures in gemv_tiled_launch; the earlier rules,
+// measured against the batched kernel with one producer warp, in kernels_history.md, tenth to twenty-second sessions).
+// Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their accumulators need the registers), and launches
+// of 32 tokens above. kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE / KBIT_TILED_BATCH* (+ KBIT_TILED_KS2) to force one
+// (tests).
 template <typename T, int K>
 int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                       const T* bias, int64_t out, int64_t in, T* y, int kernel, cudaStream_t st) {
@@ -1571,7 +1572,7 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
                    (M <= 10 && quarter_idle && !(K == 5 && items_per_warp < 4)) || (M <= 16 && half_idle && many);
   // 1..2 tiles per SM, where the batched kernel splits the k range over clusters of 2 CTAs (below) and gives each tile
   // 2 or 4 warps (gemv_tiled_batch_split). Twenty-fourth session (docs/results/ksplit runs 4, 5, H100, against the
-  // range kernel): on 4096x14336 and 4096x11008 from M = 17 (1.09-1.33x at 17; at 16 K = 2, 3 0.86-0.93x, K = 4
+  // range kernel): on 4096x14336 and 4096x11008 from M = 17 (1.09-1.29x at 17; at 16 K = 2, 3 0.86-0.93x, K = 4
   // 1.02-1.03x) and for K = 5 from 16 (1.14-1.17x); on small layers (< 2 items per warp: 4096x4096) K = 3 from 16
   // (1.15-1.20x), K = 4 from 11 (1.10-1.13x at 12; 0.99-1.00x at 9) and K = 5 at every M (1.04-1.06x at 9). K = 2 (its
   // 4096x4096 keeps the bit planes) from M = 41 as the twenty-third session measured it against one CTA per owner
@@ -1580,9 +1581,9 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
   const bool batch_mid = tiles >= sms && (small ? (K == 2 ? M > 40 : K == 3 ? M > 15 : K == 4 ? M > 10 : true)
                                                 : M > (K == 5 ? 15 : 16));
   // the k split: forced (KBIT_TILED_KS2), or in auto mode over clusters of 2 CTAs on layers of <= 4 tiles per SM (one
-  // round of <= 8 tiles per cluster; twenty-fourth session, docs/results/ksplit runs 4, 5, H100: 1.03-1.39x over one
-  // CTA per owner at M >= 17 on 4096x14336, 4096x11008, 5120x13824, 5120x5120, 8192x8192, 8192x28672 and 4096x4096
-  // (K = 3..5); 0.96-1.07x on 6144x4096 and 0.97-1.05x on 7168x4096; 0.74-0.91x on 14336x4096, 7 tiles per SM)
+  // round of <= 8 tiles per cluster; twenty-fourth session, docs/results/ksplit runs 4, 5, H100, at M >= 17 against one
+  // CTA per owner: 1.01-1.42x on 4096x14336, 4096x11008, 5120x13824, 5120x5120, 8192x8192, 8192x28672 and 4096x4096
+  // (K = 3..5); 1.00-1.06x on 6144x4096 and 0.99-1.12x on 7168x4096; 0.77-0.92x on 14336x4096, 7 tiles per SM)
   const int base = kernel & 7;
   const int ks = kernel == KBIT_TILED_AUTO ? (tiles <= 4 * (int64_t)sms ? 2 : 1) : kernel & KBIT_TILED_KS2 ? 2 : 1;
   const bool batch = base >= KBIT_TILED_BATCH ||
