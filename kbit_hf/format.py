@@ -106,10 +106,22 @@ def e4m4_table() -> torch.Tensor:
 _E4M4 = e4m4_table()
 # Midpoints between neighbouring codes; each needs at most 6 significant bits, so float32 holds them exactly.
 _E4M4_MID = ((_E4M4[:-1].double() + _E4M4[1:].double()) / 2).to(torch.float32)
+_ON_DEVICE: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _on(constant: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A module constant on `device`, copied there once: the reference ops run on CUDA tensors when the compiled library
+    is missing, also inside CUDA-graph capture (static-cache decoding), where a copy from the host is an error."""
+    if constant.device == device:
+        return constant
+    key = (id(constant), device)
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = constant.to(device)
+    return _ON_DEVICE[key]
 
 
 def e4m4_decode(code: torch.Tensor) -> torch.Tensor:
-    return _E4M4.to(code.device)[code.long()]
+    return _on(_E4M4, code.device)[code.long()]
 
 
 def e4m4_encode(x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +133,7 @@ def e4m4_encode(x: torch.Tensor) -> torch.Tensor:
     if x.numel() and not bool(((x >= 0) & (x <= E4M4_MAX)).all()):
         bad = x[~((x >= 0) & (x <= E4M4_MAX))][0].item()
         raise ValueError(f"absmax {bad} is outside the E4M4 range [0, {E4M4_MAX}]")
-    mid = _E4M4_MID.to(x.device)
+    mid = _on(_E4M4_MID, x.device)
     lo = torch.searchsorted(mid, x, right=False)  # number of midpoints strictly below x
     tie = torch.searchsorted(mid, x, right=True) != lo  # x equals midpoint lo
     code = torch.where(tie & (lo % 2 == 1), lo + 1, lo)  # midpoint lo lies between codes lo and lo+1
@@ -189,7 +201,7 @@ def unpack_bitplanes(packed: torch.Tensor, k: int) -> torch.Tensor:
     """uint32 [..., nb * k] -> int64 indices [..., nb, 32]."""
     # Works on little-endian bytes in uint8 (small temporaries): byte b of word j holds bit j of elements 8b..8b+7.
     planes = packed.contiguous().view(torch.uint8).unflatten(-1, (-1, k, 4))  # [..., nb, k, 4]
-    bits = (planes.unsqueeze(-1) >> _BYTE_SHIFTS.to(packed.device)) & 1  # [..., nb, k, 4, 8]
+    bits = (planes.unsqueeze(-1) >> _on(_BYTE_SHIFTS, packed.device)) & 1  # [..., nb, k, 4, 8]
     idx = bits[..., 0, :, :].clone()
     for j in range(1, k):
         idx |= bits[..., j, :, :] << j

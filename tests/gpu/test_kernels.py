@@ -310,6 +310,32 @@ def test_cuda_graph_capture(shape):
     assert torch.equal(y, cuda.linear(x, p, a, s, cb, k, in_f))
 
 
+@pytest.mark.parametrize("absmax_format", fmt.ABSMAX_FORMATS)
+@pytest.mark.parametrize("tiled", (False, True), ids=("planes", "tiled"))
+def test_reference_linear_cuda_graph_capture(absmax_format, tiled):
+    """The reference linear is what CUDA tensors run without the compiled library (cuda_backend._register), also inside
+    a captured decode step (static cache): after a warm-up call it must copy nothing from the host (format._on)."""
+    k, out_f, in_f = 3, 48, 512
+    cb = fmt.nf_codebook(k).cuda()
+    p, a, s = reference.quantize(torch.randn(out_f, in_f, device="cuda"), cb, k, absmax_format)
+    if tiled:
+        if absmax_format != "e4m4":
+            pytest.skip("the tiled layout holds e4m4 scales")
+        p, a = fmt.tile(p, a, in_f, k)
+    x = torch.randn(3, in_f, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(3, out_f, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        y.copy_(reference.linear(x, p, a, s, cb, k, in_f))
+
+    graph = _captured(step)
+    x.copy_(torch.randn_like(x))
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, reference.linear(x, p, a, s, cb, k, in_f))
+
+
 @pytest.mark.parametrize("M", (1, 24))
 def test_gemv_chain_reads_the_previous_output(M):
     """GEMVs that each read the previous one's output, back to back on one stream (each must see the output of the
