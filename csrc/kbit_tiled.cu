@@ -1003,7 +1003,7 @@ __global__ void __launch_bounds__((NW + batch_producers<NT>()) * 32, 1)
         bulk_copy(st + XB + NW * L::ITEM_W + lane * ITEM_A, at + item * ITEM_A, ITEM_A, FULL + 8 * s);
       }
     };
-    if constexpr (KS == 1) {
+    if constexpr (KS == 1) {  // the flat loop the one-CTA kernel had (its sm_90 SASS unchanged, as measured)
       int r = 0, v = 0;
       for (int j = 0; j < steps; ++j) {
         fill(j, r, v);
@@ -1419,18 +1419,17 @@ bool pdl_enabled() {
 // Launches a tiled GEMV with programmatic stream serialization (pdl_wait above), unless KBIT_PDL=0: it may then start
 // while the kernel before it drains. Both GEMVs are persistent, one CTA per SM, so an early start only takes SMs that
 // the kernel before has left.
-// cluster > 1: in clusters of that many CTAs (the batched kernel's k split).
-template <typename Kernel, typename... Args>
-int launch_gemv(Kernel kernel, unsigned grid, unsigned threads, int dyn, cudaStream_t st, unsigned cluster,
-                Args... args) {
+// cluster > 1: in clusters of that many CTAs (the batched kernel's k split). gemv_config: the launch configuration
+// (pdl: with programmatic stream serialization), its attributes in attr.
+cudaLaunchConfig_t gemv_config(unsigned grid, unsigned threads, int dyn, cudaStream_t st, unsigned cluster, bool pdl,
+                               cudaLaunchAttribute (&attr)[2]) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid);
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = (size_t)dyn;
   cfg.stream = st;
-  cudaLaunchAttribute attr[2];
   unsigned n = 0;
-  if (pdl_enabled()) {
+  if (pdl) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n++].val.programmaticStreamSerializationAllowed = 1;
   }
@@ -1440,6 +1439,13 @@ int launch_gemv(Kernel kernel, unsigned grid, unsigned threads, int dyn, cudaStr
   }
   cfg.attrs = attr;
   cfg.numAttrs = n;
+  return cfg;
+}
+template <typename Kernel, typename... Args>
+int launch_gemv(Kernel kernel, unsigned grid, unsigned threads, int dyn, cudaStream_t st, unsigned cluster,
+                Args... args) {
+  cudaLaunchAttribute attr[2];
+  const cudaLaunchConfig_t cfg = gemv_config(grid, threads, dyn, st, cluster, pdl_enabled(), attr);
   return (int)cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
@@ -1487,15 +1493,9 @@ int batch_owners(int dev, int sms, int& rc) {
     auto kernel = gemv_tiled_batch_kernel<T, K, NW, XS, NT, 1, KS>;
     constexpr uint32_t dyn = batch_smem_end<K, NW, XS, NT, 1, KS>();
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(KS * sms);
-    cfg.blockDim = dim3((NW + batch_producers<NT>()) * 32);
-    cfg.dynamicSmemBytes = dyn;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim = {(unsigned)KS, 1, 1};
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr[2];
+    const cudaLaunchConfig_t cfg =
+        gemv_config(KS * sms, (NW + batch_producers<NT>()) * 32, (int)dyn, nullptr, KS, false, attr);
     int n = 0;
     if (e == cudaSuccess) e = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg);
     if (e != cudaSuccess || n < 1) {
