@@ -7,6 +7,10 @@ usage: nvcc -arch=sm_90 -O3 -shared -Xcompiler -fPIC -cudart static -o libfloor.
        python tests/gpu/bench_floor.py libfloor.so [json_out]
        FLOOR_TILES=1 python tests/gpu/bench_floor.py libfloor.so [json_out]   (only the GEMV's load pattern,
            floor_tileread; FLOOR_TILES_CASES="warps:depth:CTAs per SM:rows,...", rows 16 or 8)
+       FLOOR_ITEMS=1 python tests/gpu/bench_floor.py libfloor.so [json_out]   (the tiled range GEMV's stream of
+           items without its decode, floor_itemread, against a plain read of the same bytes;
+           FLOOR_ITEMS_CASES="mode:slots:warps,...": mode 0 bulk copies + the GEMV's slot reads, 1 bulk copies alone,
+           2 register loads; + 4: the items dealt to the warps in turn)
 """
 
 import ctypes
@@ -37,6 +41,8 @@ def main():
 
     if os.environ.get("FLOOR_TILES"):
         tile_reads(lib, sink, stream, report)
+    elif os.environ.get("FLOOR_ITEMS"):
+        item_reads(lib, sms, sink, stream, report)
     else:
         floor_cases(lib, sms, sink, stream, report)
     if len(sys.argv) > 2:
@@ -65,6 +71,34 @@ def tile_reads(lib, sink, stream, report):
                    [lambda w=w, a=a, warps=warps, depth=depth, rows=rows, smem=smem: lib.floor_tileread(
                        ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(a.data_ptr()), out_f, in_f, warps, depth, rows,
                        smem, ctypes.c_void_p(sink.data_ptr()), stream()) for w, a in zip(ws, aws)])
+        del ws, aws
+
+
+def item_reads(lib, sms, sink, stream, report):
+    """The tiled range GEMV's stream of items (bulk copies into per-warp slots, or register loads), K = 4 items of
+    the issue's shapes and K = 2 items of 14336x4096, next to a plain read of the same bytes (floor_read)."""
+    lib.floor_itemread.restype = ctypes.c_int
+    cases = os.environ.get("FLOOR_ITEMS_CASES", "0:1:16,0:2:16,0:3:16,1:1:16,1:2:16,2:1:16,2:2:16,2:3:16,0:2:8,0:4:8,"
+                                                "2:2:8,2:4:8")
+    cases = [tuple(int(v) for v in c.split(":")) for c in cases.split(",")]
+    names = {0: "bulk + slot reads", 1: "bulk copies alone", 2: "register loads"}
+    names.update({m + 4: n + ", dealt" for m, n in names.items()})
+    for label, items, iw in (("4096x4096 K=4", 4096, 2048), ("14336x4096 K=4", 14336, 2048),
+                             ("14336x4096 K=2", 14336, 1024), ("28672x8192 K=4", 57344, 2048)):
+        nbytes = items * (iw + 128)
+        n = _n_copies(nbytes)
+        ws = [torch.empty(items * iw, dtype=torch.uint8, device="cuda").random_(0, 255) for _ in range(n)]
+        aws = [torch.empty(items * 128, dtype=torch.uint8, device="cuda").random_(0, 255) for _ in range(n)]
+        for mult in (2, 4):
+            g = sms * mult
+            report(f"read {label}, weights alone ({items * iw / 1e6:.1f} MB) grid {mult}x", items * iw,
+                   [lambda w=w, g=g: lib.floor_read(ctypes.c_void_p(w.data_ptr()), items * iw,
+                                                    ctypes.c_void_p(sink.data_ptr()), g, stream()) for w in ws])
+        for mode, slots, warps in cases:
+            report(f"items {label} {names[mode]} S={slots} W={warps}", nbytes,
+                   [lambda w=w, a=a, mode=mode, slots=slots, warps=warps: lib.floor_itemread(
+                       ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(a.data_ptr()), items, iw, mode, slots, warps,
+                       sms, ctypes.c_void_p(sink.data_ptr()), stream()) for w, a in zip(ws, aws)])
         del ws, aws
 
 

@@ -13,6 +13,16 @@
 //                 rows = 16: the M <= 8 kernel's pattern (lane 4g + q: blocks q, q + 4 of rows g, g + 8, steps of 8
 //                 blocks); rows = 8: blocks q, q + 4, q + 8, q + 12 of row g (the same bytes per lane, twice the run
 //                 per row, steps of 16 blocks).
+//   floor_itemread the tiled range GEMV's stream of items without its decode (sm_90): one persistent CTA of W warps
+//                 per SM, the items (iw bytes of weights and 128 of scales, in two arrays as in the tiled layout) split
+//                 evenly over the CTAs and into W contiguous ranges per CTA. mode 0: each warp streams its range
+//                 through S shared-memory slots filled by cp.async.bulk (two copies per item, one mbarrier per slot,
+//                 lane 0 issues), every lane reading the slot as the GEMV does (its 8 K bytes per chunk by 16-byte
+//                 loads at lane * 8 K, 4 scale words) and refilling it at once; mode 1: the same with no reads of the
+//                 slot (the bulk copies alone); mode 2: no shared memory, each lane loads 16-byte words straight into
+//                 registers (lane * 16 + 512 j: whole lines per instruction) and its scale word, S items ahead.
+//                 mode + 4: the CTA's items dealt to its warps in turn (warp w: c0 + w, c0 + w + W, ...) instead of in
+//                 W contiguous ranges, so that the items in flight at a time are neighbours in memory.
 #include <cuda_runtime.h>
 #include <cstdint>
 
@@ -95,9 +105,143 @@ __global__ void __launch_bounds__(256) tileread_kernel(const uint32_t* __restric
   }
   if (acc == 0x9E3779B9u && threadIdx.x == 1023) *sink = acc;  // never true: blockDim.x <= 256
 }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define FLOOR_SM90 1
+#else
+#define FLOOR_SM90 0
+#endif
+__device__ __forceinline__ void fl_mbar_init(uint32_t bar) {
+#if FLOOR_SM90
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void fl_mbar_wait(uint32_t bar, uint32_t parity) {
+#if FLOOR_SM90
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+#endif
+}
+__device__ __forceinline__ void fl_fetch(uint32_t dst, const uint8_t* w, uint32_t iw, const uint8_t* a, uint32_t bar) {
+#if FLOOR_SM90
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(iw + 128) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(w), "r"(iw), "r"(bar) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst + iw), "l"(a), "r"(128u), "r"(bar) : "memory");
+#endif
+}
+__device__ __forceinline__ uint4 fl_lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint32_t fl_lds(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+  return v;
+}
+
+// (see the file header) IW: weight bytes per item (512 K); MODE 0 / 1: S slots per warp; MODE 2: S items in registers;
+// DEAL: items dealt in turn (mode + 4)
+template <int MODE, int S, int IW, bool DEAL>
+__global__ void __launch_bounds__(512, 1) itemread_kernel(const uint8_t* __restrict__ w, const uint8_t* __restrict__ a,
+                                                          int items, unsigned* sink) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  constexpr uint32_t IB = IW + 128;
+  const int NW = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
+  const int c0 = (int)((int64_t)items * blockIdx.x / gridDim.x), n = (int)((int64_t)items * (blockIdx.x + 1) / gridDim.x) - c0;
+  // this warp's j-th item is u0 + j * du, j < nj
+  const int u0 = DEAL ? c0 + warp : c0 + n * warp / NW, du = DEAL ? NW : 1;
+  const int nj = DEAL ? (n > warp ? (n - warp + NW - 1) / NW : 0) : c0 + n * (warp + 1) / NW - u0;
+  auto item = [&](int j) { return (int64_t)(u0 + j * du); };
+  unsigned acc = 0;
+  if constexpr (MODE == 2) {
+    constexpr int J = IW / 512;
+    uint4 buf[S][J];
+    uint32_t sc[S];
+    auto load = [&](int i, int u) {
+#pragma unroll
+      for (int j = 0; j < J; ++j) buf[i][j] = __ldcs(reinterpret_cast<const uint4*>(w + item(u) * IW + 512 * j) + lane);
+      sc[i] = __ldcs(reinterpret_cast<const uint32_t*>(a + item(u) * 128) + lane);
+    };
+#pragma unroll
+    for (int i = 0; i < S; ++i)
+      if (i < nj) load(i, i);
+    for (int base = 0; base < nj; base += S) {
+#pragma unroll
+      for (int i = 0; i < S; ++i) {
+        const int u = base + i;
+        if (u < nj) {
+#pragma unroll
+          for (int j = 0; j < J; ++j) acc ^= buf[i][j].x ^ buf[i][j].y ^ buf[i][j].z ^ buf[i][j].w;
+          acc ^= sc[i];
+          if (u + S < nj) load(i, u + S);
+        }
+      }
+    }
+  } else {
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
+    const uint32_t bars = base + warp * S * 8, slots = base + ((NW * S * 8 + 127) & ~127u) + warp * S * IB;
+    if (lane == 0) {
+      for (int s = 0; s < S; ++s) fl_mbar_init(bars + 8 * s);
+      for (int s = 0; s < S && s < nj; ++s)
+        fl_fetch(slots + s * IB, w + item(s) * IW, IW, a + item(s) * 128, bars + 8 * s);
+    }
+    __syncwarp();
+    uint32_t s = 0, phase = 0;
+    for (int u = 0; u < nj; ++u) {
+      const uint32_t bar = bars + 8 * s, sl = slots + s * IB;
+      fl_mbar_wait(bar, phase);
+      if constexpr (MODE == 0) {
+        constexpr uint32_t LB = IW / 64;  // bytes per lane and chunk
+#pragma unroll
+        for (int i = 0; i < IW / 512; ++i) {
+          const uint4 v = fl_lds128(sl + (i / (IW / 1024)) * (IW / 2) + lane * LB + (i % (IW / 1024)) * 16);
+          acc ^= v.x ^ v.y ^ v.z ^ v.w;
+        }
+        acc ^= fl_lds(sl + IW + g * 4) ^ fl_lds(sl + IW + (g + 8) * 4) ^ fl_lds(sl + IW + 64 + g * 4) ^
+               fl_lds(sl + IW + 64 + (g + 8) * 4);
+#if FLOOR_SM90
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+      }
+      __syncwarp();
+      if (lane == 0 && u + S < nj) fl_fetch(sl, w + item(u + S) * IW, IW, a + item(u + S) * 128, bar);
+      if (++s == S) {
+        s = 0;
+        phase ^= 1u;
+      }
+    }
+  }
+  if (acc == 0x9E3779B9u && threadIdx.x == 1023) *sink = acc;  // never true: blockDim.x <= 512
+}
 }  // namespace
 
 extern "C" {
+int floor_itemread(const void* w, const void* a, int items, int iw, int mode, int s, int warps, int grid,
+                   unsigned* sink, void* stream) {
+  cudaStream_t st = (cudaStream_t)stream;
+  auto go = [&](auto kern) {
+    const int smem = (mode & 3) == 2 ? 0 : ((warps * s * 8 + 127) & ~127) + warps * s * (iw + 128);
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess)
+      return (int)cudaGetLastError();
+    kern<<<grid, warps * 32, smem, st>>>((const uint8_t*)w, (const uint8_t*)a, items, sink);
+    return (int)cudaGetLastError();
+  };
+#define FLOOR_ITEMREAD(M, S, IW)                                                            \
+  if (mode == M && s == S && iw == IW) return go(itemread_kernel<M, S, IW, false>);         \
+  if (mode == M + 4 && s == S && iw == IW) return go(itemread_kernel<M, S, IW, true>);
+#define FLOOR_ITEMREAD_S(M, IW) FLOOR_ITEMREAD(M, 1, IW) FLOOR_ITEMREAD(M, 2, IW) FLOOR_ITEMREAD(M, 3, IW) FLOOR_ITEMREAD(M, 4, IW)
+  FLOOR_ITEMREAD_S(0, 2048) FLOOR_ITEMREAD_S(1, 2048) FLOOR_ITEMREAD_S(2, 2048)
+  FLOOR_ITEMREAD_S(0, 1024) FLOOR_ITEMREAD_S(1, 1024) FLOOR_ITEMREAD_S(2, 1024)
+#undef FLOOR_ITEMREAD_S
+#undef FLOOR_ITEMREAD
+  return (int)cudaErrorInvalidValue;
+}
 int floor_empty(int grid, void* stream) {
   empty_kernel<<<grid, 128, 0, (cudaStream_t)stream>>>();
   return (int)cudaGetLastError();
