@@ -241,6 +241,9 @@ def empty_quantized(shape: tuple[int, ...], k: int, absmax_format: str, device=N
 # the 8 / K indices of row 16 t + g + 8 rh from element e = 128 c + 32 b + 8 q + 4 h + (8 / K) m on (index i at bits
 # K i): lane l's m16n8k16 A fragment of k slice (b, h). K = 4: byte 8 b + 4 h + j is the pair idx[e] | idx[e + 1] << 4
 # of row g + 8 (j & 1) at e = .. + 2 (j >> 1); K = 2: byte 4 b + 2 h + rh holds elements e .. e + 3 (two pairs).
+# K = 4 (and K = 5's low nibbles) swizzle the lane's two 16-byte halves: where g is odd, blocks 2, 3 come first (the
+# byte above at 8 (b ^ 2) + 4 h + j), so that the 16-byte shared-memory loads of a quarter warp (lanes l .. l + 7 at
+# 32 l + 16 (g & 1)) hit distinct banks (twenty-fifth session: without it each took 8 wavefronts instead of 4).
 # K = 5: a (tile, chunk) is 32 lanes x 32 bytes of the indices' low 4 bits, byte for byte K = 4's layout, then 32
 # lanes x 8 bytes of their high bits: bit 32 (b >> 1) + 16 h + 8 (b & 1) + 2 j + s of lane l's 64 (little-endian)
 # is bit 4 of index s of the pair in its low-nibble byte 8 b + 4 h + j (so the GEMV turns two pairs' high bits into
@@ -276,6 +279,15 @@ def _k3_pairs(idx: torch.Tensor) -> torch.Tensor:
     return pair.permute(0, 3, 2, 5, 4, 6, 7, 1).reshape(rows // 16, in_features // 128, 32, 2, 2, 2, 4)
 
 
+def _swizzle_halves(x: torch.Tensor, kb: int) -> torch.Tensor:
+    """[t, c, g, q, b, ...] -> block b ^ 2 at position b for odd g, where the lane's bytes are K = 4's (kb = 4; its own
+    inverse). Other kb: x."""
+    if kb != 4:
+        return x
+    x = x.reshape(x.shape[0], x.shape[1], 4, 2, *x.shape[3:])  # t, c, g >> 1, g & 1, q, b, ...
+    return torch.stack([x[:, :, :, 0], x[:, :, :, 1].roll(2, 4)], 3).flatten(2, 3)
+
+
 def _tiled_bytes(idx: torch.Tensor, k: int) -> torch.Tensor:
     """Indices [rows, in] (rows % 16 == 0) -> their tiled bytes [rows, in * k / 8]."""
     rows, in_features = idx.shape
@@ -289,7 +301,8 @@ def _tiled_bytes(idx: torch.Tensor, k: int) -> torch.Tensor:
     n, C = 8 // kb, in_features // 128
     shifts = torch.arange(0, 8, kb, device=idx.device)
     v = (idx & 15 if k == 5 else idx).view(rows // 16, 2, 8, C, 4, 4, 2, kb // 2, n)  # t, rh, g, c, b, q, h, m, index
-    main = (v << shifts).sum(-1).permute(0, 3, 2, 5, 4, 6, 7, 1).reshape(rows // 16, C, -1)  # t, c, (g, q, bytes)
+    main = (v << shifts).sum(-1).permute(0, 3, 2, 5, 4, 6, 7, 1)  # t, c, g, q, b, h, m, rh
+    main = _swizzle_halves(main, kb).reshape(rows // 16, C, -1)  # t, c, (g, q, bytes)
     if k == 5:
         hi = (idx >> 4).view(rows // 16, 2, 8, C, 2, 2, 4, 2, 2, 2)  # t, rh, g, c, b >> 1, b & 1, q, h, j >> 1, s
         # -> t, c, g, q, b >> 1, h, b & 1 (the lane's bytes), then bits j >> 1, rh, s (bit 4 (j >> 1) + 2 rh + s)
@@ -313,7 +326,8 @@ def _tiled_indices(wt: torch.Tensor, in_features: int, k: int) -> torch.Tensor:
         return torch.stack([p & 7, p >> 3], -1).reshape(rows, in_features)
     shifts = torch.arange(0, 8, kb, device=wt.device)
     w = wt.reshape(rows // 16, C, 256 * k).long()
-    byte = w[..., :256 * kb].reshape(rows // 16, C, 8, 4, 4, 2, kb // 2, 2).permute(0, 7, 2, 1, 4, 3, 5, 6)
+    byte = _swizzle_halves(w[..., :256 * kb].reshape(rows // 16, C, 8, 4, 4, 2, kb // 2, 2), kb)
+    byte = byte.permute(0, 7, 2, 1, 4, 3, 5, 6)
     idx = (byte.unsqueeze(-1) >> shifts) & ((1 << kb) - 1)  # t, rh, g, c, b, q, h, m, index
     if k == 5:
         bits = (w[..., 256 * kb:].reshape(rows // 16, C, 256, 1) >> torch.arange(8, device=wt.device)) & 1

@@ -42,7 +42,8 @@ def _tiled_by_definition(packed, absmax, out_f, in_f, k):
                                     r, e = 16 * t + g + 8 * rh, 128 * c + 32 * b + 8 * q + 4 * h + n * m
                                     byte = sum((int(idx[r, e + i]) & 15) << (kb * i) for i in range(n))
                                     chunk, lane = (t * C + c) * 256 * k, 4 * g + q
-                                    wt[chunk + lane * 8 * kb + 2 * kb * b + kb * h + 2 * m + rh] = byte
+                                    bs = b ^ 2 if kb == 4 and g % 2 else b  # K = 4, 5: odd g swaps the halves
+                                    wt[chunk + lane * 8 * kb + 2 * kb * bs + kb * h + 2 * m + rh] = byte
                                     for s in range(2 if k == 5 else 0):  # bit 4 of index s of the pair (j = 2 m + rh)
                                         bit = 32 * (b >> 1) + 16 * h + 8 * (b & 1) + 2 * (2 * m + rh) + s
                                         wt[chunk + 1024 + lane * 8 + bit // 8] |= (int(idx[r, e + s]) >> 4) << bit % 8
@@ -80,13 +81,15 @@ def _tiled_k3_by_definition(idx, absmax, out_f, in_f):
 
 def test_k4_layout_pairs():
     """K = 4 in the words of the ninth session: byte 8 b + 4 h + j is the pair idx[e] | idx[e + 1] << 4 of row
-    g + 8 (j & 1) at e = 128 c + 32 b + 8 q + 4 h + 2 (j >> 1)."""
+    g + 8 (j & 1) at e = 128 c + 32 b + 8 q + 4 h + 2 (j >> 1); where g is odd at 8 (b ^ 2) + 4 h + j (twenty-fifth
+    session: the lane's 16-byte halves swapped)."""
     packed, absmax, _ = _quantized(16, 256)
     idx = fmt.unpack_bitplanes(packed, 4).flatten(-2)
     wt = fmt.tile(packed, absmax, 256, 4)[0].flatten()
     for c, g, q, b, h, j in ((0, 0, 0, 0, 0, 0), (1, 7, 3, 3, 1, 3), (1, 2, 1, 2, 0, 1), (0, 5, 2, 1, 1, 2)):
         r, e = g + 8 * (j & 1), 128 * c + 32 * b + 8 * q + 4 * h + 2 * (j >> 1)
-        assert int(wt[(c * 32 + 4 * g + q) * 32 + 8 * b + 4 * h + j]) == int(idx[r, e]) | int(idx[r, e + 1]) << 4
+        bs = b ^ 2 if g % 2 else b
+        assert int(wt[(c * 32 + 4 * g + q) * 32 + 8 * bs + 4 * h + j]) == int(idx[r, e]) | int(idx[r, e + 1]) << 4
 
 
 @pytest.mark.parametrize("k", fmt.TILED_K)
