@@ -257,9 +257,9 @@ int dequant_k(int k, const uint32_t* packed, const void* absmax, int fp16, const
 
 extern "C" {
 
-int kbit_abi_version(void) { return 8; }  // 2: kbit_gemv takes M <= 64; 3: the tiled layout; 4: kbit_gemv_tiled kernel;
+int kbit_abi_version(void) { return 9; }  // 2: kbit_gemv takes M <= 64; 3: the tiled layout; 4: kbit_gemv_tiled kernel;
                                           // 5: the tiled functions take k (K = 2 tiled); 6: K = 5 tiled;
-                                          // 7: K = 3 tiled; 8: KBIT_TILED_KS2
+                                          // 7: K = 3 tiled; 8: KBIT_TILED_KS2; 9: K = 4, 5 tiled halves swizzled
 
 const char* kbit_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
 

@@ -50,8 +50,9 @@ __all__ = [
 
 GEMV_MAX_M = 64  # the fused dequant-GEMV handles up to this many activation rows; more -> dequantize + cuBLAS
 # csrc/kbit_quant.cu kbit_abi_version(); 2: kbit_gemv takes M <= 64; 3: the tiled layout; 4: kernel arg; 5: the tiled
-# functions take k (K = 2 tiled); 6: K = 5 tiled; 7: K = 3 tiled; 8: the batched kernel's k split (KBIT_TILED_KS2)
-_ABI_VERSION = 8
+# functions take k (K = 2 tiled); 6: K = 5 tiled; 7: K = 3 tiled; 8: the batched kernel's k split (KBIT_TILED_KS2);
+# 9: the K = 4, 5 tiled layout's swizzled halves (format._swizzle_halves: a tiled tensor's bytes must match format.py's)
+_ABI_VERSION = 9
 # expert GEMV (one kernel, each row reads its expert's weights) up to this many rows; more -> per-expert matmuls
 # after one host sync. A MoE prefill of 64 tokens x top-8 is 512 rows: the per-expert loop launches several kernels
 # for each expert present and is launch-bound there, while re-reading an expert's weights per row mostly hits L2.
