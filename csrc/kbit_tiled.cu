@@ -11,8 +11,8 @@
 // 2 bits of a fourth pair of its word group (k3_byte). K = 5: K = 4's 32 bytes per lane of the indices' low 4 bits,
 // then 8 bytes per lane of their high bits (k5_high_bit). So a lane reads its bytes of a chunk with a few 16- or 8-byte
 // shared loads, and the activations of the k slices of block b are the 8 consecutive elements 128 c + 32 b + 8 q ..
-// + 7 (one 16-byte load per lane and token). Block scales, 64 bytes per (t, c): byte ((t * C + c) * 16 + r) * 4 + b = block
-// 4 c + b of row 16 t + r. Each k slice of an MMA lies inside one block of each row, so the block scale multiplies the
+// + 7 (one 16-byte load per lane and token). Block scales, 64 bytes per (t, c): byte ((t * C + c) * 16 + r) * 4 + b
+// = block 4 c + b of row 16 t + r. Each k slice of an MMA lies inside one block of each row, so the block scale multiplies the
 // MMA's partial sums in fp32 (4 FFMA per block and lane).
 //
 // GEMV by warp ranges (gemv_tiled_kernel, M <= 8 and layers of few tiles; docs/kernels_history.md, ninth and tenth
@@ -297,7 +297,8 @@ __device__ __forceinline__ void load_part_words(uint32_t sl, int part, int lane,
     } else {
 #pragma unroll
       for (int i = 0; i < (int)PB / 16; ++i) {  // K = 4, 5 (KL = 4): the halves swizzled
-        const uint4 v = lds128_at(KL == 4 ? (a + 16 * i) ^ half_swizzle(lane) : a + 16 * i);  // (a % 32 == 16 pr)
+        // a = chunk + 32 lane + 16 pr with the chunk 32-byte aligned, so the XOR picks the swizzled half
+        const uint4 v = lds128_at(KL == 4 ? (a + 16 * i) ^ half_swizzle(lane) : a + 16 * i);
         w[4 * i] = v.x;
         w[4 * i + 1] = v.y;
         w[4 * i + 2] = v.z;

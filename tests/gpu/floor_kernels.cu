@@ -153,7 +153,8 @@ __global__ void __launch_bounds__(512, 1) itemread_kernel(const uint8_t* __restr
   extern __shared__ __align__(128) unsigned char smem[];
   constexpr uint32_t IB = IW + 128;
   const int NW = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2;
-  const int c0 = (int)((int64_t)items * blockIdx.x / gridDim.x), n = (int)((int64_t)items * (blockIdx.x + 1) / gridDim.x) - c0;
+  const int c0 = (int)((int64_t)items * blockIdx.x / gridDim.x);
+  const int n = (int)((int64_t)items * (blockIdx.x + 1) / gridDim.x) - c0;
   // this warp's j-th item is u0 + j * du, j < nj
   const int u0 = DEAL ? c0 + warp : c0 + n * warp / NW, du = DEAL ? NW : 1;
   const int nj = DEAL ? (n > warp ? (n - warp + NW - 1) / NW : 0) : c0 + n * (warp + 1) / NW - u0;
@@ -235,7 +236,8 @@ int floor_itemread(const void* w, const void* a, int items, int iw, int mode, in
 #define FLOOR_ITEMREAD(M, S, IW)                                                            \
   if (mode == M && s == S && iw == IW) return go(itemread_kernel<M, S, IW, false>);         \
   if (mode == M + 4 && s == S && iw == IW) return go(itemread_kernel<M, S, IW, true>);
-#define FLOOR_ITEMREAD_S(M, IW) FLOOR_ITEMREAD(M, 1, IW) FLOOR_ITEMREAD(M, 2, IW) FLOOR_ITEMREAD(M, 3, IW) FLOOR_ITEMREAD(M, 4, IW)
+#define FLOOR_ITEMREAD_S(M, IW) \
+  FLOOR_ITEMREAD(M, 1, IW) FLOOR_ITEMREAD(M, 2, IW) FLOOR_ITEMREAD(M, 3, IW) FLOOR_ITEMREAD(M, 4, IW)
   FLOOR_ITEMREAD_S(0, 2048) FLOOR_ITEMREAD_S(1, 2048) FLOOR_ITEMREAD_S(2, 2048)
   FLOOR_ITEMREAD_S(0, 1024) FLOOR_ITEMREAD_S(1, 1024) FLOOR_ITEMREAD_S(2, 1024)
 #undef FLOOR_ITEMREAD_S
