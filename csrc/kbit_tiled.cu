@@ -12,8 +12,8 @@
 // then 8 bytes per lane of their high bits (k5_high_bit). So a lane reads its bytes of a chunk with a few 16- or 8-byte
 // shared loads, and the activations of the k slices of block b are the 8 consecutive elements 128 c + 32 b + 8 q ..
 // + 7 (one 16-byte load per lane and token). Block scales, 64 bytes per (t, c): byte ((t * C + c) * 16 + r) * 4 + b
-// = block 4 c + b of row 16 t + r. Each k slice of an MMA lies inside one block of each row, so the block scale multiplies the
-// MMA's partial sums in fp32 (4 FFMA per block and lane).
+// = block 4 c + b of row 16 t + r. Each k slice of an MMA lies inside one block of each row, so the block scale
+// multiplies the MMA's partial sums in fp32 (4 FFMA per block and lane).
 //
 // GEMV by warp ranges (gemv_tiled_kernel, M <= 8 and layers of few tiles; docs/kernels_history.md, ninth and tenth
 // sessions): one persistent CTA of NW warps per SM owns whole tiles (an even split of the tiles over the grid). Its
@@ -222,12 +222,13 @@ template <int K, bool WIDE>
 __device__ __forceinline__ uint32_t table_lane(int lane) {
   return 0x0100u | (uint32_t)(K == 5 && !WIDE ? lane & 15 : lane) * Tiled<K>::ENTRY;
 }
-// K = 4 and K = 5's low nibbles: the byte offset (16 or 0) that lane's two 16-byte halves of a chunk are swapped by
-// (odd g: blocks 2, 3 first). So the 16-byte loads of one half by a quarter warp, lanes l .. l + 7 at
+// The byte offset (16 or 0) by which lane's two 16-byte halves of a chunk are swapped: K = 4 and K = 5's low nibbles,
+// odd g (blocks 2, 3 first); K = 2, 3: none. So the 16-byte loads of one half by a quarter warp, lanes l .. l + 7 at
 // 32 l + 16 (g & 1), hit 8 distinct 4-bank groups; unswizzled, two lanes shared each, and every such load took 8
 // wavefronts instead of 4 (ncu, H200, twenty-fifth session: 15% of the range kernel's shared-memory wavefronts)
+template <int K>
 __host__ __device__ constexpr uint32_t half_swizzle(int lane) {
-  return (uint32_t)(lane & 4) << 2;
+  return K >= 4 ? (uint32_t)(lane & 4) << 2 : 0u;
 }
 
 // this lane's weight words of the item in the ring slot at sl: 8 K bytes of each chunk. K = 3: words 3 i .. 3 i + 2
@@ -246,7 +247,7 @@ __device__ __forceinline__ void load_item_words(uint32_t sl, int lane, uint32_t 
   }
   constexpr int KL = K == 5 ? 4 : K;  // the bytes read as K = KL's
   constexpr uint32_t LANE_B = 8 * KL;
-  const uint32_t sw = KL == 4 ? half_swizzle(lane) : 0u;
+  const uint32_t sw = half_swizzle<K>(lane);
 #pragma unroll
   for (int i = 0; i < KL; ++i) {
     const uint4 v =
@@ -296,9 +297,9 @@ __device__ __forceinline__ void load_part_words(uint32_t sl, int part, int lane,
       w[1] = v.y;
     } else {
 #pragma unroll
-      for (int i = 0; i < (int)PB / 16; ++i) {  // K = 4, 5 (KL = 4): the halves swizzled
-        // a = chunk + 32 lane + 16 pr with the chunk 32-byte aligned, so the XOR picks the swizzled half
-        const uint4 v = lds128_at(KL == 4 ? (a + 16 * i) ^ half_swizzle(lane) : a + 16 * i);
+      for (int i = 0; i < (int)PB / 16; ++i) {
+        // K = 4, 5: a = chunk + 32 lane + 16 pr with the chunk 32-byte aligned, so the XOR picks the swizzled half
+        const uint4 v = lds128_at((a + 16 * i) ^ half_swizzle<K>(lane));
         w[4 * i] = v.x;
         w[4 * i + 1] = v.y;
         w[4 * i + 2] = v.z;
@@ -1220,7 +1221,7 @@ __global__ void tile_kernel(const uint32_t* __restrict__ packed, const uint8_t* 
       const int g = l >> 2, q = l & 3;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const TiledByte<KB> pos((4 * wi + j) ^ (KB == 4 ? (int)half_swizzle(l) : 0));  // the byte it holds
+        const TiledByte<KB> pos((4 * wi + j) ^ (int)half_swizzle<K>(l));  // the byte it holds
         const int64_t row = 16 * t + g + 8 * pos.rh;
         const int e = pos.element(q) - 32 * pos.b;  // inside block 4 c + b
         const uint32_t* p = packed + (row * nb + 4 * c + pos.b) * K;
@@ -1287,7 +1288,7 @@ __global__ void untile_kernel(const uint8_t* __restrict__ wt, const uint8_t* __r
         for (int h = 0; h < 2; ++h)
           for (int m = 0; m < KB / 2; ++m) {
             const int B = 2 * KB * b + KB * h + 2 * m + hi;
-            const int Bs = B ^ (KB == 4 ? (int)half_swizzle(4 * g + q) : 0);  // where the layout keeps it
+            const int Bs = B ^ (int)half_swizzle<K>(4 * g + q);  // where the layout keeps it
             const uint32_t byte = chunk[(4 * g + q) * (8 * KB) + Bs];
             const int e = TiledByte<KB>(B).element(q) - 32 * b;
 #pragma unroll
@@ -1377,7 +1378,7 @@ __global__ void __launch_bounds__(256, sizeof(TO) == 2 ? DQT_BLOCKS_PER_SM : 1)
           put(j & 1, 4 * h + 2 * (j >> 1) + 1, (P >> 3) & 7u);
         }
     } else {
-      const uint32_t bo = (2 * KB * b) ^ (KB == 4 ? half_swizzle(l) : 0u);
+      const uint32_t bo = (2 * KB * b) ^ half_swizzle<K>(l);
       const uint8_t* lw = wt + tc * Tiled<K>::CHUNK_W + l * (8 * KB) + bo;  // the lane's bytes of block b
       uint32_t wd[KB / 2];  // bytes 2 K b .. 2 K b + 2 K - 1 of the lane's chunk
       if constexpr (KB == 4) {
