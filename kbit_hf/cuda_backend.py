@@ -365,7 +365,7 @@ def linear_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
     _absmax_fp16(absmax)  # validates the scale dtype
     with _on_device(dev):
         rc = _gemv_call(x, x.shape[0], packed, absmax, scale, _cb(codebook, dev, k), k, packed.shape[0], in_features,
-                        bias, out, dev)
+                        bias, out, _stream(dev))
     _check(rc, "gemv")
     return out
 
@@ -379,15 +379,15 @@ TILED_KERNELS.update({f"{name}k2": code + 8 for name, code in tuple(TILED_KERNEL
 tiled_kernel = TILED_KERNELS["auto"]
 
 
-def _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y, dev):
+def _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y, stream):
     """The one ctypes call of the fused GEMV (x fp16/bf16, codebook fp32 on x's device; no checks: hot path)."""
     if packed.dtype == torch.uint8:  # the tiled layout (format.tile)
         return _lib.kbit_gemv_tiled(x.data_ptr(), _DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
                                     scale.data_ptr(), codebook.data_ptr(), k, out_f, in_features,
-                                    0 if bias is None else bias.data_ptr(), y.data_ptr(), tiled_kernel, _stream(dev))
+                                    0 if bias is None else bias.data_ptr(), y.data_ptr(), tiled_kernel, stream)
     return _lib.kbit_gemv(x.data_ptr(), _DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
                           1 if absmax.dtype == torch.float16 else 0, scale.data_ptr(), codebook.data_ptr(), k, out_f,
-                          in_features, 0 if bias is None else bias.data_ptr(), y.data_ptr(), _stream(dev))
+                          in_features, 0 if bias is None else bias.data_ptr(), y.data_ptr(), stream)
 
 
 _KSET = frozenset(fmt.SUPPORTED_K)
@@ -395,43 +395,40 @@ _KSET = frozenset(fmt.SUPPORTED_K)
 
 def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
     """y = x @ W^T + bias on CUDA: fused GEMV for <= 64 rows (fp16/bf16), else dequantize + cuBLAS."""
-    out_f = packed.shape[-2]
-    # Lean eager fast path (this is the per-token decode call: keep the Python work to a minimum).
-    if (
-        _lib is not None
-        and x.is_cuda
-        and x.dtype in _GEMV_DTYPES
-        and packed.dim() == 2
-        and in_features > 0
-        and x.shape[-1] == in_features
-        and k in _KSET
-        and (bias is None or bias.dtype == x.dtype)
-    ):
-        M = x.numel() // in_features
-        tiled = packed.dtype == torch.uint8
-        if 0 < M <= GEMV_MAX_M and (not tiled or tiled_supported(x.device)):
-            if packed.shape[1] != ((in_features * k) >> 3 if tiled else ((in_features + 31) >> 5) * k):
-                _check_shapes(packed, absmax, scale, k, in_features)
-            if not x.is_contiguous():
-                x = x.contiguous()
-            if tiled and x.data_ptr() & 15:  # the tiled GEMVs read x in 16-byte words: an aligned copy
-                x = x.clone()
-            if not (packed.is_contiguous() and absmax.is_contiguous()):
-                packed, absmax = packed.contiguous(), absmax.contiguous()
-            if not codebook.is_cuda or codebook.dtype != torch.float32:
-                codebook = _cb(codebook, x.device, k)
-            if bias is not None and not bias.is_contiguous():
-                bias = bias.contiguous()
-            y = torch.empty((*x.shape[:-1], out_f), dtype=x.dtype, device=x.device)
-            dev = x.device
-            if _multi_gpu():
-                with _on_device(dev):
-                    rc = _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y, dev)
-            else:
-                rc = _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y, dev)
-            if rc:
-                _check(rc, "gemv")
-            return y
+    # Lean eager fast path: this is the per-token decode call, and each Python operation here is host time per layer
+    # and token, so the common case (a contiguous x on a single GPU) takes the fewest.
+    if _lib is not None and x.is_cuda and x.dtype in _GEMV_DTYPES and k in _KSET and packed.dim() == 2:
+        shape = x.shape
+        M = x.numel() // in_features if in_features > 0 else 0
+        if shape[-1] == in_features and 0 < M <= GEMV_MAX_M and (bias is None or bias.dtype == x.dtype):
+            tiled = packed.dtype == torch.uint8
+            di = x.get_device()
+            if not tiled or _tiled_ok.get(di) or tiled_supported(x.device):
+                out_f = packed.shape[0]
+                if packed.shape[1] != ((in_features * k) >> 3 if tiled else ((in_features + 31) >> 5) * k):
+                    _check_shapes(packed, absmax, scale, k, in_features)
+                if not x.is_contiguous():
+                    x = x.contiguous()
+                if tiled and x.data_ptr() & 15:  # the tiled GEMVs read x in 16-byte words: an aligned copy
+                    x = x.clone()
+                if not (packed.is_contiguous() and absmax.is_contiguous()):
+                    packed, absmax = packed.contiguous(), absmax.contiguous()
+                if not codebook.is_cuda or codebook.dtype != torch.float32:
+                    codebook = _cb(codebook, x.device, k)
+                if bias is not None and not bias.is_contiguous():
+                    bias = bias.contiguous()
+                y = x.new_empty((*shape[:-1], out_f))
+                if _multi_gpu():
+                    dev = x.device
+                    with _on_device(dev):
+                        rc = _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y,
+                                        _stream(dev))
+                else:
+                    rc = _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y,
+                                    _raw_stream(di) if _raw_stream is not None else _stream(x.device))
+                if rc:
+                    _check(rc, "gemv")
+                return y
     _need("linear", x, packed, absmax, scale, bias)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
