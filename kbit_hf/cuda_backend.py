@@ -138,10 +138,15 @@ except AttributeError:  # pragma: no cover - older/newer torch
     _raw_stream = None
 
 
-def _stream(device: torch.device) -> int:
+def _stream_of(index: int) -> int:
+    """The int handle of the current stream of CUDA device `index` (every launch goes on it)."""
     if _raw_stream is not None:
-        return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
-    return torch.cuda.current_stream(device).cuda_stream
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def _stream(device: torch.device) -> int:
+    return _stream_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _check(rc: int, what: str) -> None:
@@ -403,7 +408,7 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
         if shape[-1] == in_features and 0 < M <= GEMV_MAX_M and (bias is None or bias.dtype == x.dtype):
             tiled = packed.dtype == torch.uint8
             di = x.get_device()
-            if not tiled or _tiled_ok.get(di) or tiled_supported(x.device):
+            if not tiled or _tiled_ok.get(di) or tiled_supported(x.device):  # the cached answer, else ask once
                 out_f = packed.shape[0]
                 if packed.shape[1] != ((in_features * k) >> 3 if tiled else ((in_features + 31) >> 5) * k):
                     _check_shapes(packed, absmax, scale, k, in_features)
@@ -425,7 +430,7 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
                                         _stream(dev))
                 else:
                     rc = _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y,
-                                    _raw_stream(di) if _raw_stream is not None else _stream(x.device))
+                                    _stream_of(di))
                 if rc:
                     _check(rc, "gemv")
                 return y
