@@ -435,8 +435,6 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
                     _check(rc, "gemv")
                 return y
     _need("linear", x, packed, absmax, scale, bias)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
     # Any other M (prefill) or dtype: dequantize on the GPU, then cuBLAS with fp32 accumulation. fp16/bf16
     # activations use a weight in their own dtype (the tensor-core path); fp32 activations a fp32 weight.
     wdtype = x.dtype if x.dtype in _GEMV_DTYPES else torch.float32
