@@ -249,15 +249,20 @@ _tiled_ok: dict[int, bool] = {}
 def tiled_supported(device) -> bool:
     """The tiled GEMV runs on this device: the library is loaded, the GPU is sm_90 or newer (bulk async copies), and
     KBIT_TILED is not 0 (a benchmark knob: KbitLinear then keeps the bit planes)."""
-    if not isinstance(device, torch.device):  # the hot path passes x.device
+    if not isinstance(device, torch.device):
         device = torch.device(device)
     if _lib is None or device.type != "cuda":
         return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _tiled_ok.get(idx)
+    return _tiled_at(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _tiled_at(index: int) -> bool:
+    """tiled_supported for CUDA device `index`, the library loaded (cached per device: the GEMV's eager fast path
+    asks on every call)."""
+    ok = _tiled_ok.get(index)
     if ok is None:
-        ok = torch.cuda.get_device_capability(idx)[0] >= 9 and os.environ.get("KBIT_TILED", "1") != "0"
-        _tiled_ok[idx] = ok
+        ok = torch.cuda.get_device_capability(index)[0] >= 9 and os.environ.get("KBIT_TILED", "1") != "0"
+        _tiled_ok[index] = ok
     return ok
 
 
@@ -408,7 +413,7 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
         if shape[-1] == in_features and 0 < M <= GEMV_MAX_M and (bias is None or bias.dtype == x.dtype):
             tiled = packed.dtype == torch.uint8
             di = x.get_device()
-            if not tiled or _tiled_ok.get(di) or tiled_supported(x.device):  # the cached answer, else ask once
+            if not tiled or _tiled_at(di):
                 out_f = packed.shape[0]
                 if packed.shape[1] != ((in_features * k) >> 3 if tiled else ((in_features + 31) >> 5) * k):
                     _check_shapes(packed, absmax, scale, k, in_features)
@@ -424,10 +429,9 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
                     bias = bias.contiguous()
                 y = x.new_empty((*shape[:-1], out_f))
                 if _multi_gpu():
-                    dev = x.device
-                    with _on_device(dev):
+                    with _on_device(x.device):
                         rc = _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y,
-                                        _stream(dev))
+                                        _stream_of(di))
                 else:
                     rc = _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y,
                                     _stream_of(di))
