@@ -5,8 +5,8 @@
 kbit checkpoints load back without re-quantizing.
 """
 
-from . import ops  # registers the torch.ops.kbit.* custom ops (reference implementations)
-from . import cuda_backend  # registers the CUDA kernels when the compiled library is present
+from . import ops  # the torch.ops.kbit.* custom ops (reference implementations)
+from .backends import cuda as _cuda
 from .config import KbitConfig
 from .modules import KbitLinear, KbitMoE
 from .quantizer import KbitHfQuantizer
@@ -14,6 +14,7 @@ from ._register import register
 
 __version__ = "0.1.0"
 
+_cuda.register()  # the compiled CUDA kernels where the library is present
 register()
 
 __all__ = ["KbitConfig", "KbitHfQuantizer", "KbitLinear", "KbitMoE", "register", "__version__"]

@@ -166,11 +166,7 @@ def check_absmax_format(absmax_format: str) -> None:
 
 
 def decode_absmax(stored: torch.Tensor) -> torch.Tensor:
-    if stored.dtype == torch.uint8:
-        return e4m4_decode(stored)
-    if stored.dtype == torch.float16:
-        return stored.float()
-    raise ValueError(f"absmax tensor has dtype {stored.dtype}; expected uint8 (e4m4) or float16 (fp16)")
+    return e4m4_decode(stored) if absmax_format_of(stored) == "e4m4" else stored.float()
 
 
 def codebook_midpoints(codebook: torch.Tensor) -> torch.Tensor:
@@ -224,6 +220,26 @@ def packed_shapes(shape: tuple[int, ...], k: int) -> dict[str, tuple[int, ...]]:
     }
 
 
+def check_fits(packed: torch.Tensor, absmax: torch.Tensor, scale: torch.Tensor, k: int, in_features: int) -> None:
+    """The stored tensors of one weight fit together for k and in_features (bit planes; see packed_shapes)."""
+    *lead, out, words = packed.shape
+    nb = n_blocks(in_features)
+    if words != nb * k or tuple(absmax.shape) != (*lead, out, nb) or tuple(scale.shape) != tuple(lead):
+        raise ValueError(
+            f"kbit tensors do not fit together for k={k}, in_features={in_features}: packed {tuple(packed.shape)}, "
+            f"absmax {tuple(absmax.shape)}, scale {tuple(scale.shape)} (expected packed {(*lead, out, nb * k)}, "
+            f"absmax {(*lead, out, nb)}, scale {tuple(lead)})"
+        )
+
+
+def absmax_format_of(absmax: torch.Tensor) -> str:
+    """The absmax_format of stored block scales, from their dtype."""
+    for name, dtype in ABSMAX_DTYPES.items():
+        if absmax.dtype == dtype:
+            return name
+    raise ValueError(f"absmax tensor has dtype {absmax.dtype}; expected uint8 (e4m4) or float16 (fp16)")
+
+
 def empty_quantized(shape: tuple[int, ...], k: int, absmax_format: str, device=None):
     """Uninitialised (packed, absmax, scale) tensors for a float weight of `shape` [..., out, in]."""
     check_absmax_format(absmax_format)
@@ -231,140 +247,6 @@ def empty_quantized(shape: tuple[int, ...], k: int, absmax_format: str, device=N
     return (torch.empty(shapes["packed"], dtype=torch.uint32, device=device),
             torch.empty(shapes["absmax"], dtype=ABSMAX_DTYPES[absmax_format], device=device),
             torch.empty(shapes["scale"], dtype=torch.float32, device=device))
-
-
-# ---- The tiled layout: how large Linear weights (K = 2..5) sit in GPU memory (docs/kernels.md, "Layouts") ----
-# A permutation of the bits of (packed, absmax) with the same byte counts: packed becomes uint8 [out, in * K / 8]
-# (that dtype is what marks a tiled tensor), absmax keeps its shape. Checkpoints always hold the bit planes above.
-# Weights, 256 K bytes per (16-row tile t, 128-element chunk c), 8 K per lane l = 4 g + q (g < 8, q < 4).
-# K = 2, 4: byte ((t * C + c) * 32 + l) * 8 K + 2 K b + K h + 2 m + rh, for b < 4, h < 2, m < K / 2, rh < 2, holds
-# the 8 / K indices of row 16 t + g + 8 rh from element e = 128 c + 32 b + 8 q + 4 h + (8 / K) m on (index i at bits
-# K i): lane l's m16n8k16 A fragment of k slice (b, h). K = 4: byte 8 b + 4 h + j is the pair idx[e] | idx[e + 1] << 4
-# of row g + 8 (j & 1) at e = .. + 2 (j >> 1); K = 2: byte 4 b + 2 h + rh holds elements e .. e + 3 (two pairs).
-# K = 4 (and K = 5's low nibbles) swizzle the lane's two 16-byte halves: where g is odd, blocks 2, 3 come first (the
-# byte above at 8 (b ^ 2) + 4 h + j), so that the 16-byte shared-memory loads of a quarter warp (lanes l .. l + 7 at
-# 32 l + 16 (g & 1)) hit distinct banks (twenty-fifth session: without it each took 8 wavefronts instead of 4).
-# K = 5: a (tile, chunk) is 32 lanes x 32 bytes of the indices' low 4 bits, byte for byte K = 4's layout, then 32
-# lanes x 8 bytes of their high bits: bit 32 (b >> 1) + 16 h + 8 (b & 1) + 2 j + s of lane l's 64 (little-endian)
-# is bit 4 of index s of the pair in its low-nibble byte 8 b + 4 h + j (so the GEMV turns two pairs' high bits into
-# table-address bits with one shift, mask and add). K = 3: lane l's 24 bytes per chunk are 12 per block pair (2 gi,
-# 2 gi + 1); byte 12 gi + 4 wi + j holds in bits 0..5 the pair idx[e] | idx[e + 1] << 3 of register (h, j) (as K = 4's
-# byte 8 b + 4 h + j) of (b, h) = (2 gi, 0), (2 gi, 1), (2 gi + 1, 0) for wi = 0, 1, 2, and in bits 6, 7 bits 2 wi,
-# 2 wi + 1 of the pair of register (1, j) of block 2 gi + 1 (five integer operations gather those four). Block
-# scales, 64 bytes per (t, c): byte ((t * C + c) * 16 + r) * 4 + b is block 4 c + b of row 16 t + r.
-TILE_ROWS = 16
-TILE_IN = 256  # in_features must be a multiple of this (two chunks: the GEMV's unit of work)
-TILED_K = (2, 3, 4, 5)
-
-
-def tileable(out_features: int, in_features: int, k: int, absmax_format: str) -> bool:
-    return k in TILED_K and absmax_format == "e4m4" and out_features % TILE_ROWS == 0 and in_features % TILE_IN == 0
-
-
-def is_tiled(packed: torch.Tensor) -> bool:
-    return packed.dtype == torch.uint8
-
-
-def _tile_rows(out: int, in_features: int):
-    step = max(TILE_ROWS, (2**22 // max(1, in_features)) // TILE_ROWS * TILE_ROWS)  # bounded int64 temporaries
-    return ((a, min(a + step, out)) for a in range(0, out, step))
-
-
-def _k3_pairs(idx: torch.Tensor) -> torch.Tensor:
-    """K = 3 indices [rows, in] -> pairs idx[e] | idx[e + 1] << 3 as [t, c, lane, gi, b & 1, h, j] (block b = 2 gi +
-    (b & 1), register (h, j) of the lane's A fragment, as K = 4's pairs)."""
-    rows, in_features = idx.shape
-    v = idx.view(rows // 16, 2, 8, in_features // 128, 4, 4, 2, 2, 2)  # t, rh, g, c, b, q, h, j >> 1, s
-    pair = v[..., 0] | v[..., 1] << 3
-    return pair.permute(0, 3, 2, 5, 4, 6, 7, 1).reshape(rows // 16, in_features // 128, 32, 2, 2, 2, 4)
-
-
-def _swizzle_halves(x: torch.Tensor, kb: int) -> torch.Tensor:
-    """[t, c, g, q, b, ...] -> block b ^ 2 at position b for odd g, where the lane's bytes are K = 4's (kb = 4; its own
-    inverse). Other kb: x."""
-    if kb != 4:
-        return x
-    x = x.reshape(x.shape[0], x.shape[1], 4, 2, *x.shape[3:])  # t, c, g >> 1, g & 1, q, b, ...
-    return torch.stack([x[:, :, :, 0], x[:, :, :, 1].roll(2, 4)], 3).flatten(2, 3)
-
-
-def _tiled_bytes(idx: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices [rows, in] (rows % 16 == 0) -> their tiled bytes [rows, in * k / 8]."""
-    rows, in_features = idx.shape
-    if k == 3:  # lane byte 12 gi + 4 wi + j: the pair of (b & 1, h) = (0, 0), (0, 1), (1, 0); bits 6, 7: (1, 1)'s
-        p = _k3_pairs(idx)
-        direct = torch.stack([p[..., 0, 0, :], p[..., 0, 1, :], p[..., 1, 0, :]], -2)  # t, c, lane, gi, wi, j
-        wi = torch.arange(3, device=idx.device).view(3, 1)
-        spare = (p[..., 1, 1, :].unsqueeze(-2) >> 2 * wi) & 3
-        return (direct | spare << 6).to(torch.uint8).reshape(rows, -1)
-    kb = 4 if k == 5 else k  # index bits in the main bytes (K = 5: the low nibbles)
-    n, C = 8 // kb, in_features // 128
-    shifts = torch.arange(0, 8, kb, device=idx.device)
-    v = (idx & 15 if k == 5 else idx).view(rows // 16, 2, 8, C, 4, 4, 2, kb // 2, n)  # t, rh, g, c, b, q, h, m, index
-    main = (v << shifts).sum(-1).permute(0, 3, 2, 5, 4, 6, 7, 1)  # t, c, g, q, b, h, m, rh
-    main = _swizzle_halves(main, kb).reshape(rows // 16, C, -1)  # t, c, (g, q, bytes)
-    if k == 5:
-        hi = (idx >> 4).view(rows // 16, 2, 8, C, 2, 2, 4, 2, 2, 2)  # t, rh, g, c, b >> 1, b & 1, q, h, j >> 1, s
-        # -> t, c, g, q, b >> 1, h, b & 1 (the lane's bytes), then bits j >> 1, rh, s (bit 4 (j >> 1) + 2 rh + s)
-        hi = hi.permute(0, 3, 2, 6, 4, 7, 5, 8, 1, 9).reshape(rows // 16, C, 256, 8)
-        high = (hi << torch.arange(8, device=idx.device)).sum(-1)
-        main = torch.cat([main, high], -1)
-    return main.to(torch.uint8).reshape(rows, -1)
-
-
-def _tiled_indices(wt: torch.Tensor, in_features: int, k: int) -> torch.Tensor:
-    """Inverse of _tiled_bytes: tiled bytes [rows, in * k / 8] -> indices [rows, in] (int64)."""
-    rows = wt.shape[0]
-    kb = 4 if k == 5 else k
-    C = in_features // 128
-    if k == 3:
-        b = wt.reshape(rows // 16, C, 32, 2, 3, 4).long()  # t, c, lane, gi, wi, j
-        wi = torch.arange(3, device=wt.device).view(3, 1)
-        spare = (((b >> 6) & 3) << 2 * wi).sum(-2)
-        p = torch.stack([b[..., 0, :] & 63, b[..., 1, :] & 63, b[..., 2, :] & 63, spare], -2)  # (b & 1, h) order
-        p = p.view(rows // 16, C, 8, 4, 4, 2, 2, 2).permute(0, 7, 2, 1, 4, 3, 5, 6)  # t, rh, g, c, b, q, h, j >> 1
-        return torch.stack([p & 7, p >> 3], -1).reshape(rows, in_features)
-    shifts = torch.arange(0, 8, kb, device=wt.device)
-    w = wt.reshape(rows // 16, C, 256 * k).long()
-    byte = _swizzle_halves(w[..., :256 * kb].reshape(rows // 16, C, 8, 4, 4, 2, kb // 2, 2), kb)
-    byte = byte.permute(0, 7, 2, 1, 4, 3, 5, 6)
-    idx = (byte.unsqueeze(-1) >> shifts) & ((1 << kb) - 1)  # t, rh, g, c, b, q, h, m, index
-    if k == 5:
-        bits = (w[..., 256 * kb:].reshape(rows // 16, C, 256, 1) >> torch.arange(8, device=wt.device)) & 1
-        # t, c, g, q, b >> 1, h, b & 1, j >> 1, rh, s -> t, rh, g, c, (b >> 1, b & 1), q, h, j >> 1, s
-        bits = bits.reshape(rows // 16, C, 8, 4, 2, 2, 2, 2, 2, 2).permute(0, 8, 2, 1, 4, 6, 3, 5, 7, 9)
-        idx = idx | bits.reshape(idx.shape) << 4
-    return idx.reshape(rows, in_features)
-
-
-def tile(packed: torch.Tensor, absmax: torch.Tensor, in_features: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Bit planes uint32 [out, in / 32 * k] + e4m4 absmax [out, nb] -> the tiled layout (K = 2..5; see above)."""
-    out = packed.shape[0]
-    if packed.dtype != torch.uint32 or absmax.dtype != torch.uint8 or not tileable(out, in_features, k, "e4m4") \
-            or tuple(packed.shape) != (out, in_features // 32 * k) or tuple(absmax.shape) != (out, in_features // 32):
-        raise ValueError(f"cannot tile packed {packed.dtype} {tuple(packed.shape)} / absmax {absmax.dtype} "
-                         f"{tuple(absmax.shape)} for k={k}, in_features={in_features} (K in {TILED_K}, e4m4, "
-                         f"out % {TILE_ROWS}, in % {TILE_IN})")
-    C = in_features // 128
-    wt = torch.empty((out, in_features * k // 8), dtype=torch.uint8, device=packed.device)
-    for a, b in _tile_rows(out, in_features):
-        wt[a:b] = _tiled_bytes(unpack_bitplanes(packed[a:b], k).flatten(-2), k)
-    at = absmax.view(out // 16, 16, C, 4).permute(0, 2, 1, 3).reshape(out, -1).clone()
-    return wt, at
-
-
-def untile(wt: torch.Tensor, at: torch.Tensor, in_features: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `tile`: -> (packed uint32 [out, in / 32 * k], absmax uint8 [out, nb])."""
-    out = wt.shape[0]
-    if wt.dtype != torch.uint8 or tuple(wt.shape) != (out, in_features * k // 8) \
-            or not tileable(out, in_features, k, "e4m4"):
-        raise ValueError(f"not a tiled K = {k} weight for in_features={in_features}: {wt.dtype} {tuple(wt.shape)}")
-    C = in_features // 128
-    packed = torch.empty((out, in_features // 32 * k), dtype=torch.uint32, device=wt.device)
-    for a, b in _tile_rows(out, in_features):
-        packed[a:b] = pack_bitplanes(_tiled_indices(wt[a:b], in_features, k).reshape(b - a, in_features // 32, 32), k)
-    absmax = at.view(out // 16, C, 16, 4).permute(0, 2, 1, 3).reshape(out, -1).clone()
-    return packed, absmax
 
 
 def check_finite(w: torch.Tensor, what: str = "weight") -> None:
@@ -407,13 +289,8 @@ __all__ = [
     "check_codebook_values",
     "bits_per_weight",
     "packed_shapes",
+    "check_fits",
+    "absmax_format_of",
     "empty_quantized",
     "check_finite",
-    "TILE_ROWS",
-    "TILE_IN",
-    "TILED_K",
-    "tileable",
-    "is_tiled",
-    "tile",
-    "untile",
 ]

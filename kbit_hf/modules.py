@@ -85,76 +85,48 @@ class KbitLinear(nn.Linear):
 
     @property
     def is_packed(self) -> bool:
-        return self.weight.dtype in (torch.uint32, torch.uint8)
+        return not self.weight.is_floating_point()  # a float placeholder until an on-the-fly load quantizes it
 
-    # ---- the tiled layout (format.tile): the GPU in-memory layout of large weights on sm_90 -------------------
-    # `weight` / `weight_absmax` then hold a byte permutation of the bit planes (uint8 weight); state_dict() and
-    # load_state_dict() still speak the bit planes, so checkpoints never see it.
+    # ---- in-memory layouts (kbit_hf/ops.py): a backend may hold the weight in a layout of its own on its device
+    # (the tiled layout of large layers on sm_90); state_dict() and load_state_dict() always speak the bit planes,
+    # so checkpoints never see it.
     @property
-    def is_tiled(self) -> bool:
-        return fmt.is_tiled(self.weight)
+    def layout(self) -> str:
+        return ops.layout_name(self.weight)
 
-    def _layout_fits(self) -> bool:  # packed bit planes of a shape and format the tiled layout can hold
-        return self.weight.dtype == torch.uint32 and fmt.tileable(self.out_features, self.in_features, self.k,
-                                                                  self.absmax_format)
+    def use_device_layout_(self) -> None:
+        """Hold the weight in the layout the backends want for it on its current device."""
+        if self.weight.device.type == "meta" or not self.is_packed:
+            return
+        wt, at = ops.device_layout(self.weight, self.weight_absmax, self.out_features, self.in_features, self.k,
+                                   self.absmax_format)
+        if wt is not self.weight:
+            self.weight, self.weight_absmax = _frozen(wt), _frozen(at)
 
-    def tileable(self) -> bool:
-        """Bit planes that KbitLinear holds tiled on this device (cuda_backend.holds_tiled: the layout fits, the
-        weight is large enough to gain from it, the device runs the tiled GEMV)."""
-        from . import cuda_backend
-
-        return self.weight.dtype == torch.uint32 and cuda_backend.holds_tiled(
-            self.out_features, self.in_features, self.k, self.absmax_format, self.weight.device)
-
-    def tile_(self, force: bool = False) -> bool:
-        """Switch to the tiled layout where it applies (force: wherever the layout fits, e.g. on the CPU for tests).
-        Returns whether the layer is tiled now."""
-        from . import cuda_backend
-
-        if self.is_tiled:
-            return True
-        if not (self.tileable() or (force and self._layout_fits())):
-            return False
-        wt, at = cuda_backend.tile(self.weight, self.weight_absmax, self.in_features, self.k)
-        self.weight, self.weight_absmax = _frozen(wt), _frozen(at)
-        return True
-
-    def untile_(self) -> None:
-        if self.is_tiled:
-            self.weight, self.weight_absmax = (_frozen(t) for t in self._bit_planes())
+    def _bit_planes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.bit_planes(self.weight, self.weight_absmax, self.in_features, self.k)
 
     def _apply(self, fn, recurse=True):
-        # A move of the weights between devices (.to / .cuda / .cpu) leaves the layout from_pretrained would have
-        # chosen there: tiled where KbitLinear holds this weight tiled, the bit planes elsewhere. Other _apply calls
-        # (dtype casts, share_memory_) keep the layout, and so do moves off the meta device (to_empty: no data yet).
+        # A move between devices (.to / .cuda / .cpu) leaves the layout from_pretrained would have chosen there;
+        # other _apply calls (dtype casts, share_memory_) keep it, and so do moves off the meta device (no data yet).
         before = self.weight.device
         super()._apply(_keeping_format_dtypes(self, ("weight",) + tuple("weight" + c for c in COMPANIONS), fn), recurse)
         after = self.weight.device
-        if after != before and before.type in ("cpu", "cuda") and after.type in ("cpu", "cuda"):
-            from . import cuda_backend
-
-            if self.is_tiled and not cuda_backend.tiled_supported(after):
-                self.untile_()
-            elif not self.is_tiled:
-                self.tile_()
+        if after != before and before.type != "meta":
+            self.use_device_layout_()
         return self
-
-    def _bit_planes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        from . import cuda_backend
-
-        return cuda_backend.untile(self.weight, self.weight_absmax, self.in_features, self.k)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.is_tiled:
+        if self.is_packed:
             destination[prefix + "weight"], destination[prefix + "weight_absmax"] = self._bit_planes()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        tiled = self.is_tiled
-        self.untile_()
+        if self.is_packed:
+            planes = self._bit_planes()
+            self.weight, self.weight_absmax = _frozen(planes[0]), _frozen(planes[1])
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if tiled:
-            self.tile_(force=True)
+        self.use_device_layout_()
 
     def quantize_param(self, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         if name != "weight":
@@ -183,8 +155,9 @@ class KbitLinear(nn.Linear):
         return layer
 
     def extra_repr(self) -> str:
+        layout = f", layout={self.layout}" if self.is_packed and self.layout != "bit planes" else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"k={self.k}, absmax_format={self.absmax_format}")
+                f"k={self.k}, absmax_format={self.absmax_format}{layout}")
 
 
 def is_fused_experts(module: nn.Module) -> bool:

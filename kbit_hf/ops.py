@@ -1,9 +1,9 @@
-"""The kbit op interface: torch.library custom ops `torch.ops.kbit.*`.
+"""The kbit op interface: the `torch.ops.kbit.*` custom ops, and the one place where backends plug in.
 
-Each op's default implementation is the pure-PyTorch reference (kbit_hf/reference.py), valid on every device.
-A compiled backend registers faster kernels for a device with `torch.library.register_kernel(op, "cuda", fn)`;
-the modules only ever call the functions below, so a backend slots in without touching them. Fake (meta)
-implementations let torch.compile trace the ops without running them.
+The modules (kbit_hf/modules.py) call only the functions of this file. Each op's default implementation is the
+pure-PyTorch reference (kbit_hf/backends/reference.py), valid on every device; a backend adds faster
+implementations for a device type with `register_backend`, and in-memory weight layouts with `register_layout`.
+Fake (meta) implementations let torch.compile trace the ops without running them.
 
 Signatures (weights [..., out, in], see kbit_hf/format.py):
   quantize(weight, codebook, k, absmax_format) -> (packed, absmax, scale)
@@ -15,10 +15,12 @@ Signatures (weights [..., out, in], see kbit_hf/format.py):
 
 from __future__ import annotations
 
+from typing import Callable, Protocol
+
 import torch
 
 from . import format as fmt
-from . import reference
+from .backends import reference
 
 
 @torch.library.custom_op("kbit::quantize", mutates_args=())
@@ -156,30 +158,102 @@ def _expert_linear_backward(ctx, grad):
 expert_linear.register_autograd(_expert_linear_backward, setup_context=_expert_linear_setup_context)
 
 
-# What the modules call. Backends may add an eager fast path here (e.g. a direct ctypes launch that skips the
-# custom-op dispatcher's Python overhead); under torch.compile the custom ops above are what gets traced.
-# kbit_hf/cuda_backend.py sets these two when its compiled library is loaded.
-_CUDA_FAST_LINEAR = None
-_CUDA_FAST_EXPERT_LINEAR = None
+# ---- backends --------------------------------------------------------------------------------------------------
+
+_OPS = {"quantize": quantize, "dequantize": dequantize, "linear": linear, "expert_linear": expert_linear}
+# device type -> direct callables for eager, no-grad calls (they skip the dispatcher's Python cost; under
+# torch.compile or autograd the custom ops above are what runs)
+_EAGER_LINEAR: dict[str, Callable] = {}
+_EAGER_EXPERT_LINEAR: dict[str, Callable] = {}
 
 
-def _eager_cuda(x) -> bool:
-    # The direct path bypasses the op's autograd formula and is invisible to torch.compile: use it only for eager,
-    # no-grad CUDA calls.
-    return (
-        x.is_cuda
-        and not (x.requires_grad and torch.is_grad_enabled())
-        and not torch.compiler.is_compiling()
-    )
+def register_backend(device_type: str, *, quantize: Callable, dequantize: Callable, linear: Callable,
+                     expert_linear: Callable, eager_linear: Callable | None = None,
+                     eager_expert_linear: Callable | None = None) -> None:
+    """Make a backend's implementations the ops' kernels for tensors on `device_type` ("cuda", "cpu", ...).
+
+    Each callable has its op's signature. `eager_linear` / `eager_expert_linear` are optional direct paths that
+    `linear_forward` / `expert_linear_forward` call for eager inference (no autograd, not compiling)."""
+    for name, fn in (("quantize", quantize), ("dequantize", dequantize), ("linear", linear),
+                     ("expert_linear", expert_linear)):
+        torch.library.register_kernel(_OPS[name], device_type, fn)
+    for table, fn in ((_EAGER_LINEAR, eager_linear), (_EAGER_EXPERT_LINEAR, eager_expert_linear)):
+        if fn is None:
+            table.pop(device_type, None)
+        else:
+            table[device_type] = fn
+
+
+def _eager(x) -> bool:
+    # The direct path bypasses the op's autograd formula and is invisible to torch.compile.
+    return not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling()
 
 
 def linear_forward(x, packed, absmax, scale, codebook, k: int, in_features: int, bias=None):
-    if _CUDA_FAST_LINEAR is not None and _eager_cuda(x):
-        return _CUDA_FAST_LINEAR(x, packed, absmax, scale, codebook, k, in_features, bias)
+    """What KbitLinear.forward runs: a backend's eager path where it has one, else the `kbit::linear` op."""
+    fast = _EAGER_LINEAR.get(x.device.type)
+    if fast is not None and _eager(x):
+        return fast(x, packed, absmax, scale, codebook, k, in_features, bias)
     return torch.ops.kbit.linear(x, packed, absmax, scale, codebook, k, in_features, bias)
 
 
 def expert_linear_forward(x, expert_ids, packed, absmax, scale, codebook, k: int, in_features: int):
-    if _CUDA_FAST_EXPERT_LINEAR is not None and _eager_cuda(x):
-        return _CUDA_FAST_EXPERT_LINEAR(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
+    """What KbitMoE runs per projection: a backend's eager path where it has one, else the `kbit::expert_linear` op."""
+    fast = _EAGER_EXPERT_LINEAR.get(x.device.type)
+    if fast is not None and _eager(x):
+        return fast(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
     return torch.ops.kbit.expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
+
+
+# ---- in-memory layouts -----------------------------------------------------------------------------------------
+# A checkpoint always holds the bit planes of kbit_hf/format.py. A backend may hold a weight in another layout on
+# its device (same bytes, permuted for its kernels); its ops then accept that layout, and modules convert with the
+# two functions below when a weight is loaded, moved or saved.
+
+
+class Layout(Protocol):
+    name: str  # what KbitLinear.extra_repr shows
+
+    def holds(self, packed: torch.Tensor) -> bool:
+        """`packed` is in this layout."""
+
+    def wants(self, out_features: int, in_features: int, k: int, absmax_format: str, device: torch.device) -> bool:
+        """A weight of this shape and format is held in this layout on `device`."""
+
+    def from_planes(self, packed, absmax, in_features: int, k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def to_planes(self, packed, absmax, in_features: int, k: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+_LAYOUTS: list[Layout] = []
+
+
+def register_layout(layout: Layout) -> None:
+    """Add an in-memory layout (one per name: registering a name again replaces it)."""
+    _LAYOUTS[:] = [known for known in _LAYOUTS if known.name != layout.name] + [layout]
+
+
+def bit_planes(packed, absmax, in_features: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed, absmax) in the checkpoint layout (bit planes), whatever layout they are held in."""
+    for layout in _LAYOUTS:
+        if layout.holds(packed):
+            return layout.to_planes(packed, absmax, in_features, k)
+    return packed, absmax
+
+
+def device_layout(packed, absmax, out_features: int, in_features: int, k: int, absmax_format: str):
+    """(packed, absmax) in the layout the backends want for this weight on its current device (bit planes unless a
+    registered layout wants it)."""
+    packed, absmax = bit_planes(packed, absmax, in_features, k)
+    for layout in _LAYOUTS:
+        if layout.wants(out_features, in_features, k, absmax_format, packed.device):
+            return layout.from_planes(packed, absmax, in_features, k)
+    return packed, absmax
+
+
+def layout_name(packed) -> str:
+    """The name of the layout `packed` is held in ("bit planes" for the checkpoint layout)."""
+    for layout in _LAYOUTS:
+        if layout.holds(packed):
+            return layout.name
+    return "bit planes"

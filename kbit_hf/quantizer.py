@@ -3,7 +3,7 @@
 On-the-fly: `_process_model_before_weight_loading` swaps nn.Linear -> KbitLinear and fused experts -> KbitMoE on
 the meta model; the loader then streams one checkpoint tensor (or one fused experts tensor) at a time through
 `KbitQuantize`, which returns the packed tensors. Pre-quantized: the same modules are built with packed-shape
-placeholders and the checkpoint loads by name. See shared/docs/transformers5-quantizer-guide.md for the hooks.
+placeholders and the checkpoint loads by name. docs/design.md lists the hooks used.
 """
 
 from __future__ import annotations
@@ -153,10 +153,10 @@ class KbitHfQuantizer(HfQuantizer):
         if self.pre_quantized and self.quantization_config.dequantize:
             return self._dequantize(model)
         for module in model.modules():
-            # the tiled layout on sm_90 for large layers (any K) (not for offloaded ones: accelerate keeps their
-            # tensors elsewhere and swaps them in per forward)
+            # the backends' in-memory layout (not for offloaded layers: accelerate keeps their tensors elsewhere and
+            # swaps them in per forward)
             if isinstance(module, KbitLinear) and not hasattr(module, "_hf_hook"):
-                module.tile_()
+                module.use_device_layout_()
         model.add_model_tags(["kbit", f"kbit-{self.quantization_config.k}bit"])
         from .hub import install_model_card_hooks
 

@@ -1,13 +1,14 @@
-"""The ctypes binding's guards, on the CPU (no GPU needed): without the compiled library every entry point of
-kbit_hf.cuda_backend says so by name, and with one it refuses tensors that are not on one CUDA device before any
-pointer reaches the library."""
+"""The CUDA backend's guards and rules, on the CPU (no GPU needed): without the compiled library every entry point
+says so by name, with one it refuses tensors that are not on one CUDA device before any pointer reaches the library,
+and the dispatch rules pick the tiled layout where they should."""
 
 import pytest
 import torch
 
-from kbit_hf import cuda_backend as cb
 from kbit_hf import format as fmt
-from kbit_hf import reference
+from kbit_hf.backends import reference
+from kbit_hf.backends.cuda import dispatch, library, tiled
+from kbit_hf.backends.cuda import kernels as cb
 
 
 def _calls():
@@ -26,37 +27,38 @@ def _calls():
 
 
 def test_entry_points_without_the_library_name_the_problem(monkeypatch):
-    monkeypatch.setattr(cb, "_lib", None)
-    monkeypatch.setattr(cb, "_load_error", "libkbit_cuda.so: not found")
+    monkeypatch.setattr(library, "lib", None)
+    monkeypatch.setattr(library, "_load_error", "libkbit_cuda.so: not found")
     calls, (p, a) = _calls()
     for name, call in calls.items():
-        with pytest.raises(RuntimeError, match=rf"cuda_backend\.{name}: the compiled CUDA library is not loaded "
+        with pytest.raises(RuntimeError, match=rf"kbit CUDA {name}: the compiled CUDA library is not loaded "
                                                r"\(libkbit_cuda.so: not found\)"):
             call()
     # the layout conversions fall back to the reference
-    assert all(torch.equal(u, v) for u, v in zip(cb.tile(p, a, 256, 4), fmt.tile(p, a, 256, 4)))
+    assert all(torch.equal(u, v) for u, v in zip(tiled.tile(p, a, 256, 4), tiled.tile_reference(p, a, 256, 4)))
 
 
 def test_entry_points_refuse_tensors_off_the_gpu(monkeypatch):
-    monkeypatch.setattr(cb, "_lib", object())  # a library that must never be called with these tensors
+    monkeypatch.setattr(library, "lib", object())  # a library that must never be called with these tensors
     calls, _ = _calls()
     for name, call in calls.items():
-        with pytest.raises(ValueError, match=rf"cuda_backend\.{name}: every tensor must be on one CUDA device; got "
-                                             "cpu"):
+        with pytest.raises(ValueError, match=rf"kbit CUDA {name}: every tensor must be on one CUDA device; got cpu"):
             call()
 
 
 @pytest.mark.parametrize("k", (2, 3, 4, 5))
 def test_which_weights_kbit_linear_holds_tiled(monkeypatch, k):
-    """The size threshold per K (cuda_backend.TILED_MIN_NUMEL, measured in docs/results/small_layers) and the layout's
-    own conditions, on a device that runs the tiled GEMV (here pretended: tiled_supported is the device check)."""
-    monkeypatch.setattr(cb, "tiled_supported", lambda device: True)
-    tiled = {shape for shape in ((1024, 4096), (2048, 4096), (3072, 3072), (4096, 4096), (6144, 4096))
-             if cb.holds_tiled(*shape, k, "e4m4", "cuda")}
+    """The size threshold per K (dispatch.TILED_MIN_NUMEL) and the layout's own conditions, on a device that runs
+    the tiled GEMV (here pretended: a library and an sm_90 device)."""
+    monkeypatch.setattr(library, "lib", object())
+    monkeypatch.setattr(dispatch, "tiled_gemv_runs_on", lambda index: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    held = {shape for shape in ((1024, 4096), (2048, 4096), (3072, 3072), (4096, 4096), (6144, 4096))
+             if dispatch.holds_tiled(*shape, k, "e4m4", "cuda")}
     expected = {(6144, 4096)} | ({(4096, 4096)} if k != 2 else set())
     expected |= {(2048, 4096), (3072, 3072)} if k == 5 else set()
-    assert tiled == expected
-    assert not cb.holds_tiled(6144, 4096, k, "fp16", "cuda")  # the layout holds e4m4 scales only
-    assert not cb.holds_tiled(6144 + 8, 4096, k, "e4m4", "cuda")  # out % 16
-    assert not cb.holds_tiled(6144, 4096 + 128, k, "e4m4", "cuda")  # in % 256
-    assert not cb.holds_tiled(6144, 4096, 6, "e4m4", "cuda")  # no tiled layout for other K
+    assert held == expected
+    assert not dispatch.holds_tiled(6144, 4096, k, "fp16", "cuda")  # the layout holds e4m4 scales only
+    assert not dispatch.holds_tiled(6144 + 8, 4096, k, "e4m4", "cuda")  # out % 16
+    assert not dispatch.holds_tiled(6144, 4096 + 128, k, "e4m4", "cuda")  # in % 256
+    assert not dispatch.holds_tiled(6144, 4096, 6, "e4m4", "cuda")  # no tiled layout for other K

@@ -83,7 +83,7 @@ def test_static_cache_generate_compiles_into_cuda_graphs_and_matches_eager(famil
     per-expert dequantize + cuBLAS while the captured graph runs the per-row kernel (no host sync). The two round
     differently, and a router near-tie can then pick another expert, so there only the first steps are compared
     tightly."""
-    from kbit_hf.cuda_backend import EXPERT_GEMV_MAX_N
+    from kbit_hf.backends.cuda.dispatch import EXPERT_GEMV_MAX_N
     from transformers import CompileConfig
     from torch._dynamo.utils import counters
 
@@ -170,7 +170,8 @@ def test_dtype_cast_on_the_gpu_keeps_the_format_dtypes(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_expert_linear_input_gradient_on_the_gpu(dtype):
     from kbit_hf import format as fmt
-    from kbit_hf import ops, reference
+    from kbit_hf import ops
+    from kbit_hf.backends import reference
 
     E, out, inp = 5, 40, 300
     g = torch.Generator().manual_seed(1)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kbit_hf import format as fmt
-from kbit_hf import reference as ref
+from kbit_hf.backends import reference as ref
 
 
 @pytest.mark.parametrize("k", fmt.SUPPORTED_K)

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 import kbit_hf  # noqa: F401  (registers torch.ops.kbit.*)
 from kbit_hf import format as fmt
-from kbit_hf import ops, reference
+from kbit_hf import ops
+from kbit_hf.backends import reference
 
 
 def _packed(shape, k=4):

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM
 import kbit_hf
 import kbit_hf.modules
 import kbit_hf.ops
-import kbit_hf.reference
+import kbit_hf.backends.reference
 from kbit_hf.modules import EXPERT_PROJS, KbitLinear, KbitMoE
 from fake_hub import FakeHub
 from tiny_models import VOCAB, tiny_model
@@ -109,7 +109,7 @@ def forbid_quantize(mp: pytest.MonkeyPatch) -> list:
         calls.append(args[:1])
         raise AssertionError("kbit quantize was called while loading a pre-quantized checkpoint")
 
-    mp.setattr(kbit_hf.reference, "quantize", boom)  # what the torch.ops.kbit.quantize op runs
+    mp.setattr(kbit_hf.backends.reference, "quantize", boom)  # what the torch.ops.kbit.quantize op runs
     mp.setattr(kbit_hf.ops, "quantize", boom)  # what the modules call
     mp.setattr(kbit_hf.modules, "_quantize", boom)
     return calls

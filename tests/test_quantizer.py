@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import kbit_hf
 from kbit_hf import KbitConfig, KbitLinear, KbitMoE
-from kbit_hf import reference
+from kbit_hf.backends import reference
 from tiny_models import FAMILIES, MOE_FAMILIES, VOCAB, rewritten_copy, tiny_model
 
 FAMILY_LIST = list(FAMILIES)

@@ -74,7 +74,7 @@ def copy_bandwidth(repeats: int, detail: dict | None = None) -> float:
 
 
 def _kbit_weights(out_f, in_f, k, device="cuda"):
-    from .. import cuda_backend as cuda
+    from ..backends.cuda import dispatch, kernels as cuda, library, tiled
 
     cb = fmt.nf_codebook(k).to(device)
     w = torch.randn(out_f, in_f, device=device, dtype=torch.bfloat16)
@@ -111,10 +111,10 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("kernels benchmark: no CUDA device")
         return 1
-    from .. import cuda_backend as cuda
+    from ..backends.cuda import dispatch, kernels as cuda, library, tiled
 
-    if not cuda.available():
-        print(f"kernels benchmark: kbit CUDA library not available ({cuda.load_error()})")
+    if not library.available():
+        print(f"kernels benchmark: kbit CUDA library not available ({library.load_error()})")
         return 1
     torch.manual_seed(0)
     dev_name = torch.cuda.get_device_name()
@@ -142,8 +142,8 @@ def run(args) -> int:
         pct = 100 * nbytes / (us * 1e-6) / bw
         print(f"{k:>3} {us:9.1f} {nbytes / us / 1e3:8.0f} {pct:6.1f}%")
         results["dequantize"].append({"k": k, "shape": [do, di], "us": us, "pct_copy": pct})
-        if cuda.holds_tiled(do, di, k, "e4m4", torch.device("cuda")):  # KbitLinear holds it tiled (format.tile)
-            wt, at = cuda.tile(p, a, di, k)
+        if dispatch.holds_tiled(do, di, k, "e4m4", torch.device("cuda")):  # KbitLinear holds it tiled
+            wt, at = tiled.tile(p, a, di, k)
             us = _time_graph([lambda o=o: cuda.dequantize_out(wt, at, s, cb, k, di, o) for o in outs], repeats)
             pct = 100 * nbytes / (us * 1e-6) / bw
             print(f"{f'{k} tiled':>3} {us:9.1f} {nbytes / us / 1e3:8.0f} {pct:6.1f}%")
@@ -207,9 +207,9 @@ def run(args) -> int:
                 kbytes = p0.numel() * 4 + a0.numel()
                 copies = [(p0, a0)] + [(p0.clone(), a0.clone()) for _ in range(_n_copies(kbytes) - 1)]
                 y = torch.empty(M, out_f, device="cuda", dtype=torch.bfloat16)
-                tiled = cuda.holds_tiled(out_f, in_f, k, "e4m4", torch.device("cuda"))
+                tiled = dispatch.holds_tiled(out_f, in_f, k, "e4m4", torch.device("cuda"))
                 if tiled:  # KbitLinear holds this weight in the tiled layout: time that, and the bit planes too
-                    tcopies = [cuda.tile(c[0], c[1], in_f, k) for c in copies]
+                    tcopies = [tiled.tile(c[0], c[1], in_f, k) for c in copies]
                     us = _time_graph([lambda c=c: cuda.linear_out(x, c[0], c[1], s0, cb, k, in_f, None, y)
                                       for c in tcopies], repeats)
                     rows.append((f"kbit K={k}", us, kbytes + io_bytes))
@@ -246,7 +246,7 @@ def python_overhead(n: int = 300) -> dict:
     """Host-side microseconds per eager call (no sync inside the loop: the launch queue absorbs the kernels)."""
     import time
 
-    from .. import cuda_backend as cuda
+    from ..backends.cuda import dispatch, kernels as cuda, library, tiled
     from ..ops import linear_forward
 
     k, out_f, in_f = 4, 256, 256

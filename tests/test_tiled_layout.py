@@ -1,6 +1,7 @@
-"""The tiled layout (kbit_hf/format.py, "The tiled layout"): its byte definition, the round trip to the bit planes,
-the reference ops on it, and KbitLinear's state_dict / save_pretrained staying in the bit planes while tiled. The
-GPU kernels over it are checked in tests/gpu/test_kernels.py."""
+"""The tiled layout (kbit_hf/backends/cuda/tiled.py): its byte definition and the round trip to the bit planes; and
+KbitLinear's in-memory layout machinery (kbit_hf/ops.py): state_dict, load_state_dict, save_pretrained and device
+moves speak the bit planes whatever layout a backend holds. The GPU kernels over the tiled layout are checked in
+tests/gpu/test_tiled.py."""
 
 import os
 
@@ -9,9 +10,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from kbit_hf import KbitConfig, KbitLinear
+from kbit_hf import KbitConfig, KbitLinear, ops
 from kbit_hf import format as fmt
-from kbit_hf import reference
+from kbit_hf.backends import reference
+from kbit_hf.backends.cuda import tiled
+from kbit_hf.backends.cuda.tiled import TILED_K
 from tiny_models import VOCAB, tiny_model
 
 
@@ -23,7 +26,7 @@ def _quantized(out_f, in_f, seed=0, k=4):
 
 
 def _tiled_by_definition(packed, absmax, out_f, in_f, k):
-    """The layout byte by byte, exactly as format.py words it (slow; small shapes only)."""
+    """The layout byte by byte, exactly as tiled.py words it (slow; small shapes only)."""
     idx = fmt.unpack_bitplanes(packed, k).flatten(-2)
     if k == 3:
         return _tiled_k3_by_definition(idx, absmax, out_f, in_f)
@@ -54,7 +57,7 @@ def _tiled_by_definition(packed, absmax, out_f, in_f, k):
 
 
 def _tiled_k3_by_definition(idx, absmax, out_f, in_f):
-    """K = 3 as format.py words it: lane byte 12 gi + 4 wi + j holds in bits 0..5 the pair of register (h, j) of block
+    """K = 3 as tiled.py words it: lane byte 12 gi + 4 wi + j holds in bits 0..5 the pair of register (h, j) of block
     b, (b, h) = (2 gi, 0), (2 gi, 1), (2 gi + 1, 0) for wi = 0, 1, 2, and in bits 6, 7 bits 2 wi, 2 wi + 1 of the pair
     of register (1, j) of block 2 gi + 1."""
     C = in_f // 128
@@ -80,67 +83,74 @@ def _tiled_k3_by_definition(idx, absmax, out_f, in_f):
 
 
 def test_k4_layout_pairs():
-    """K = 4 in the words of the ninth session: byte 8 b + 4 h + j is the pair idx[e] | idx[e + 1] << 4 of row
-    g + 8 (j & 1) at e = 128 c + 32 b + 8 q + 4 h + 2 (j >> 1); where g is odd at 8 (b ^ 2) + 4 h + j (twenty-fifth
-    session: the lane's 16-byte halves swapped)."""
+    """K = 4 in words: byte 8 b + 4 h + j is the pair idx[e] | idx[e + 1] << 4 of row g + 8 (j & 1) at
+    e = 128 c + 32 b + 8 q + 4 h + 2 (j >> 1); where g is odd at 8 (b ^ 2) + 4 h + j (the lane's 16-byte halves
+    swapped)."""
     packed, absmax, _ = _quantized(16, 256)
     idx = fmt.unpack_bitplanes(packed, 4).flatten(-2)
-    wt = fmt.tile(packed, absmax, 256, 4)[0].flatten()
+    wt = tiled.tile_reference(packed, absmax, 256, 4)[0].flatten()
     for c, g, q, b, h, j in ((0, 0, 0, 0, 0, 0), (1, 7, 3, 3, 1, 3), (1, 2, 1, 2, 0, 1), (0, 5, 2, 1, 1, 2)):
         r, e = g + 8 * (j & 1), 128 * c + 32 * b + 8 * q + 4 * h + 2 * (j >> 1)
         bs = b ^ 2 if g % 2 else b
         assert int(wt[(c * 32 + 4 * g + q) * 32 + 8 * bs + 4 * h + j]) == int(idx[r, e]) | int(idx[r, e + 1]) << 4
 
 
-@pytest.mark.parametrize("k", fmt.TILED_K)
+@pytest.mark.parametrize("k", TILED_K)
 @pytest.mark.parametrize("out_f,in_f", [(16, 256), (32, 512)])
 def test_tile_matches_the_definition_and_round_trips(out_f, in_f, k):
     packed, absmax, _ = _quantized(out_f, in_f, k=k)
-    wt, at = fmt.tile(packed, absmax, in_f, k)
+    wt, at = tiled.tile_reference(packed, absmax, in_f, k)
     want_w, want_a = _tiled_by_definition(packed, absmax, out_f, in_f, k)
     assert wt.dtype == torch.uint8 and wt.shape == (out_f, in_f * k // 8) and at.shape == absmax.shape
     assert torch.equal(wt, want_w) and torch.equal(at, want_a)
-    p2, a2 = fmt.untile(wt, at, in_f, k)
+    p2, a2 = tiled.untile_reference(wt, at, in_f, k)
     assert torch.equal(p2, packed) and torch.equal(a2, absmax)
 
 
-@pytest.mark.parametrize("k", fmt.TILED_K)
+@pytest.mark.parametrize("k", TILED_K)
 def test_tile_round_trip_many_tiles(k):
-    packed, absmax, _ = _quantized(4096, 512, k=k)  # several row chunks of format._tile_rows
-    p2, a2 = fmt.untile(*fmt.tile(packed, absmax, 512, k), 512, k)
+    packed, absmax, _ = _quantized(4096, 512, k=k)  # several row chunks of tiled._tile_rows
+    p2, a2 = tiled.untile_reference(*tiled.tile_reference(packed, absmax, 512, k), 512, k)
     assert torch.equal(p2, packed) and torch.equal(a2, absmax)
 
 
 def test_tile_refuses_what_the_layout_cannot_hold():
     packed, absmax, _ = _quantized(16, 256)
     with pytest.raises(ValueError, match="cannot tile"):
-        fmt.tile(packed, absmax, 255, 4)
+        tiled.tile_reference(packed, absmax, 255, 4)
     p3, a3, _ = reference.quantize(torch.randn(20, 256), fmt.nf0_codebook(4), 4, "e4m4")  # out % 16 != 0
     with pytest.raises(ValueError, match="cannot tile"):
-        fmt.tile(p3, a3, 256, 4)
+        tiled.tile_reference(p3, a3, 256, 4)
     p4, a4, _ = reference.quantize(torch.randn(16, 256), fmt.nf0_codebook(4), 4, "fp16")
     with pytest.raises(ValueError, match="cannot tile"):
-        fmt.tile(p4, a4, 256, 4)
+        tiled.tile_reference(p4, a4, 256, 4)
     with pytest.raises(ValueError, match="cannot tile"):  # K = 4 planes called K = 2
-        fmt.tile(packed, absmax, 256, 2)
+        tiled.tile_reference(packed, absmax, 256, 2)
     with pytest.raises(ValueError, match="not a tiled"):
-        fmt.untile(packed, absmax, 256, 4)
+        tiled.untile_reference(packed, absmax, 256, 4)
 
 
-@pytest.mark.parametrize("k", fmt.TILED_K)
-def test_reference_ops_read_the_tiled_layout(k):
-    packed, absmax, scale = _quantized(48, 768, k=k)
-    cb = fmt.nf0_codebook(k)
-    wt, at = fmt.tile(packed, absmax, 768, k)
-    for dtype in (torch.float32, torch.bfloat16):
-        assert torch.equal(reference.dequantize(wt, at, scale, cb, k, 768, dtype),
-                           reference.dequantize(packed, absmax, scale, cb, k, 768, dtype))
-    x = torch.randn(3, 768, dtype=torch.bfloat16)
-    assert torch.equal(reference.linear(x, wt, at, scale, cb, k, 768), reference.linear(x, packed, absmax, scale, cb,
-                                                                                           k, 768))
-    for other in set(fmt.TILED_K) - {k}:  # a tiled weight read as another K
-        with pytest.raises(ValueError, match=f"not a tiled K = {other}"):
-            reference.dequantize(wt, at, scale, fmt.nf0_codebook(other), other, 768)
+class _ReversedRows:
+    """A stand-in backend layout for CPU tests: the rows of packed / absmax in reverse order, packed as int32."""
+
+    name = "reversed rows"
+
+    def holds(self, packed):
+        return packed.dtype == torch.int32
+
+    def wants(self, out_features, in_features, k, absmax_format, device):
+        return torch.device(device).type == "cpu" and out_features % 16 == 0
+
+    def from_planes(self, packed, absmax, in_features, k):
+        return packed.view(torch.int32).flip(0), absmax.flip(0)
+
+    def to_planes(self, packed, absmax, in_features, k):
+        return packed.flip(0).view(torch.uint32), absmax.flip(0)
+
+
+@pytest.fixture
+def reversed_rows(monkeypatch):
+    monkeypatch.setattr(ops, "_LAYOUTS", [_ReversedRows()])
 
 
 def _layer(out_f=32, in_f=256, bias=True, k=4):
@@ -153,51 +163,52 @@ def _layer(out_f=32, in_f=256, bias=True, k=4):
     return layer
 
 
-@pytest.mark.parametrize("k", fmt.TILED_K)
-def test_kbit_linear_tiled_forward_and_state_dict(k):
-    layer = _layer(k=k)
-    x = torch.randn(5, 256, dtype=torch.bfloat16)
-    y0 = layer(x)
-    want = x.float() @ layer.dequantized_weight(torch.float32).T + layer.bias.float()
-    torch.testing.assert_close(y0.float(), want, rtol=2**-7, atol=1e-2)  # one bf16 rounding of an fp32 result
+def test_kbit_linear_layout_state_dict_and_load(reversed_rows):
+    layer = _layer()
     sd0 = {k: v.clone() for k, v in layer.state_dict().items()}
-    assert not layer.tileable()  # on the CPU the layer keeps the bit planes unless forced
-    assert layer.tile_(force=True) and layer.is_tiled and layer.weight.dtype == torch.uint8 and layer.is_packed
-    assert torch.equal(layer(x), y0)
+    assert layer.layout == "bit planes"
+    layer.use_device_layout_()
+    assert layer.layout == "reversed rows" and "layout=reversed rows" in repr(layer)
     sd = layer.state_dict()
     assert set(sd) == set(sd0) and all(torch.equal(sd[k], sd0[k]) and sd[k].dtype == sd0[k].dtype for k in sd)
-    # load_state_dict into a tiled layer: the bit planes go in, the layer stays tiled
-    other = _layer(k=k)
-    other.tile_(force=True)
+    # load_state_dict into a layer held in the layout: the bit planes go in, the layer keeps the layout
+    other = _layer()
+    other.use_device_layout_()
     other.load_state_dict(sd0)
-    assert other.is_tiled and torch.equal(other(x), y0)
-    layer.untile_()
-    assert not layer.is_tiled and torch.equal(layer.weight, sd0["weight"]) and torch.equal(layer(x), y0)
+    assert other.layout == "reversed rows" and all(torch.equal(other.state_dict()[k], sd0[k]) for k in sd0)
+    small = _layer(out_f=24)  # a weight the layout does not want keeps the bit planes
+    small.use_device_layout_()
+    assert small.layout == "bit planes"
 
 
-def test_kbit_linear_does_not_tile_what_the_layout_cannot_hold():
-    assert not _layer(out_f=24).tile_(force=True)  # out % 16
-    assert not _layer(in_f=160).tile_(force=True)  # in % 256
+def test_kbit_linear_dtype_cast_keeps_the_layout_and_format_dtypes(reversed_rows):
+    layer = _layer()
+    planes = layer.weight.clone()
+    layer.use_device_layout_()
+    layer.to(torch.float16)
+    assert layer.layout == "reversed rows" and layer.weight_codebook.dtype == torch.float32
+    assert layer.weight_absmax.dtype == torch.uint8 and layer.bias.dtype == torch.float16
+    assert torch.equal(ops.bit_planes(layer.weight, layer.weight_absmax, 256, 4)[0], planes)
 
 
-def test_save_pretrained_of_a_tiled_model_writes_bit_planes(tmp_path):
+def test_save_pretrained_of_a_model_in_a_backend_layout_writes_bit_planes(tmp_path, monkeypatch):
     fp = tmp_path / "fp"
     tiny_model("llama", hidden_size=256, intermediate_size=512, head_dim=32).save_pretrained(fp)
-    # on the CPU (a GPU machine would otherwise load to CUDA): both logits below then come from the reference ops
     model = AutoModelForCausalLM.from_pretrained(fp, quantization_config=KbitConfig(k=4), device_map="cpu")
     model.save_pretrained(tmp_path / "planes")
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref_logits = model(ids).logits
+    monkeypatch.setattr(ops, "_LAYOUTS", [_ReversedRows()])
     layers = [m for m in model.modules() if isinstance(m, KbitLinear)]
-    tiled = [m.tile_(force=True) for m in layers]  # all but o_proj (in = 4 heads x 32 = 128)
-    assert sum(tiled) == len(layers) - model.config.num_hidden_layers
-    with torch.no_grad():
-        assert torch.equal(model(ids).logits, ref_logits)
-    model.save_pretrained(tmp_path / "tiled")
+    for m in layers:
+        m.use_device_layout_()
+    assert all(m.layout == "reversed rows" for m in layers)
+    model.save_pretrained(tmp_path / "held")
     a = load_file(os.path.join(tmp_path / "planes", "model.safetensors"))
-    b = load_file(os.path.join(tmp_path / "tiled", "model.safetensors"))
+    b = load_file(os.path.join(tmp_path / "held", "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
-    again = AutoModelForCausalLM.from_pretrained(tmp_path / "tiled", device_map="cpu")
+    monkeypatch.setattr(ops, "_LAYOUTS", [])
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "held", device_map="cpu")
     with torch.no_grad():
         assert torch.equal(again(ids).logits, ref_logits)

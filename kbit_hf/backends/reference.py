@@ -1,8 +1,8 @@
-"""Pure-PyTorch reference implementation of every kbit op.
+"""Pure-PyTorch reference implementation of every kbit op: the ground truth.
 
-This is the ground truth the CUDA kernels are tested against, and the implementation used wherever no compiled
-kernel applies (CPU, or CUDA without the compiled library). It works on any device torch supports.
-Weights are [..., out, in]; see kbit_hf/format.py for the layout.
+The compiled kernels are tested against it, and it runs wherever no compiled kernel applies (the CPU, or CUDA
+without the compiled library), on any device torch supports. It reads the checkpoint layout (bit planes, see
+kbit_hf/format.py) only.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import format as fmt
+from .. import format as fmt
 
 # Rows quantized/dequantized per step: bounds the int64/fp32 temporaries to a few hundred MB on big matrices.
 _ROW_ELEMENTS = 1 << 22
@@ -79,20 +79,15 @@ def dequantize(
     in_features: int,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Inverse of `quantize` up to rounding: -> [..., out, in_features] in `dtype`. Also takes the tiled layout
-    (format.tile: uint8 packed)."""
+    """Inverse of `quantize` up to rounding: -> [..., out, in_features] in `dtype` (bit planes only)."""
     fmt.check_k(k)
     fmt.check_codebook_size(codebook, k)
-    if fmt.is_tiled(packed):
-        packed, absmax = fmt.untile(packed, absmax, in_features, k)
+    if packed.dtype != torch.uint32:
+        raise ValueError(f"the reference ops read the bit-plane layout (uint32 packed); got {packed.dtype} "
+                         f"{tuple(packed.shape)}: convert with kbit_hf.ops.bit_planes first")
+    fmt.check_fits(packed, absmax, scale, k, in_features)
     *lead, out, words = packed.shape
     nb = fmt.n_blocks(in_features)
-    if words != nb * k or tuple(absmax.shape) != (*lead, out, nb) or tuple(scale.shape) != tuple(lead):
-        raise ValueError(
-            f"kbit tensors do not fit together for k={k}, in_features={in_features}: packed {tuple(packed.shape)}, "
-            f"absmax {tuple(absmax.shape)}, scale {tuple(scale.shape)} (expected absmax {(*lead, out, nb)}, "
-            f"scale {tuple(lead)})"
-        )
     p3 = packed.reshape(-1, out, words)
     a3 = absmax.reshape(-1, out, nb)
     s1 = scale.reshape(-1).float()

@@ -1,0 +1,58 @@
+"""Which CUDA path runs: every rule of the Python side in one table. (Inside a fused GEMV, the variant for the
+batch size, shape and GPU is the library's choice: csrc/kbit_dispatch.h. docs/design.md explains both.)
+
+| rule | why |
+|---|---|
+| `linear`: fused GEMV for 1 <= M <= GEMV_MAX_M rows of fp16/bf16, else dequantize + cuBLAS | the GEMV reads the packed weight once and is bound by those bytes; above 64 rows the tensor cores of cuBLAS win |
+| `expert_linear`: per-row expert GEMV for N <= EXPERT_GEMV_MAX_N rows (any N up to 65535 while capturing a CUDA graph), else one `linear` per expert present | the per-row kernel needs no host sync; past ~1024 rows re-reading an expert per row costs more than the sync and grouped launches |
+| tiled layout: e4m4 scales, out % 16 == 0, in % 256 == 0, out * in >= TILED_MIN_NUMEL[K], sm_90 | the tiled GEMV streams whole tiles with the TMA; on smaller layers a persistent kernel's start costs more than it saves |
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import library
+
+GEMV_MAX_M = 64  # the fused GEMVs take 1..64 activation rows
+EXPERT_GEMV_MAX_N = 1024  # a MoE prefill of 64 tokens x top-8 is 512 rows: still the per-row kernel
+EXPERT_GEMV_MAX_N_CAPTURING = 65535  # the kernel's grid.y limit; capture forbids the grouped path's host sync
+GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+# Measured against the bit planes on an H100: 4096 x 4096 tiled is 1.04-1.19x faster at M = 1..8 for K = 3, 4 and
+# 1.00-1.42x at M = 1..64 for K = 5, while K = 2 loses there (0.93x at M = 1); K = 5 also gains on 2048 x 4096.
+TILED_MIN_NUMEL = {2: 4096 * 4096 + 1, 3: 4096 * 4096, 4: 4096 * 4096, 5: 2048 * 4096}
+TILE_ROWS, TILE_IN = 16, 256  # the tiled layout's unit: 16 rows x 256 inputs (two 128-element chunks)
+
+_sm90: dict[int, bool] = {}
+
+
+def tiled_gemv_runs_on(index: int) -> bool:
+    """The tiled GEMV runs on CUDA device `index` (sm_90 or newer: bulk async copies). Cached: asked per call."""
+    ok = _sm90.get(index)
+    if ok is None:
+        ok = _sm90[index] = library.lib is not None and torch.cuda.get_device_capability(index)[0] >= 9
+    return ok
+
+
+def tiled_layout_fits(out_features: int, in_features: int, k: int, absmax_format: str) -> bool:
+    return k in TILED_MIN_NUMEL and absmax_format == "e4m4" and out_features % TILE_ROWS == 0 \
+        and in_features % TILE_IN == 0
+
+
+def holds_tiled(out_features: int, in_features: int, k: int, absmax_format: str, device) -> bool:
+    """A KbitLinear weight of this shape and format is held tiled on `device`."""
+    device = torch.device(device)
+    if device.type != "cuda" or library.lib is None:
+        return False
+    return (tiled_layout_fits(out_features, in_features, k, absmax_format)
+            and out_features * in_features >= TILED_MIN_NUMEL[k]
+            and tiled_gemv_runs_on(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+def linear_uses_gemv(M: int, dtype: torch.dtype) -> bool:
+    return 0 < M <= GEMV_MAX_M and dtype in GEMV_DTYPES
+
+
+def expert_linear_uses_gemv(N: int, dtype: torch.dtype, capturing: bool) -> bool:
+    return dtype in GEMV_DTYPES and (N <= EXPERT_GEMV_MAX_N or (capturing and N <= EXPERT_GEMV_MAX_N_CAPTURING))

@@ -1,0 +1,282 @@
+"""The CUDA implementations of the kbit ops: thin ctypes calls into libkbit_cuda (kbit_hf/backends/cuda/library.py).
+
+Every launch goes on torch's current stream of the tensors' device; the library never allocates or synchronises, so
+the linear / dequantize paths can be captured in CUDA graphs. Which path runs is decided in dispatch.py; the
+`*_out` variants write into given tensors (no allocation) and `linear_out` can force one tiled GEMV variant, for
+tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ... import format as fmt
+from . import dispatch, library
+from .library import DTYPE_CODE, check
+from .tiled import is_tiled
+
+# the tiled GEMV variants linear_out can force (csrc/kbit_api.h, KBIT_TILED_*): per-warp ranges; batched, or batched
+# with 1, 2 or 4 warps per tile; "...k2": batched with the k range split over clusters of 2 CTAs
+TILED_KERNELS = {"auto": 0, "range": 1, "batch": 2, "batch1": 3, "batch2": 4, "batch4": 5}
+TILED_KERNELS.update({f"{name}k2": code + 8 for name, code in tuple(TILED_KERNELS.items()) if code >= 2})
+
+try:
+    _raw_stream = torch._C._cuda_getCurrentRawStream  # int handle of the current stream of a device index
+except AttributeError:  # pragma: no cover - older/newer torch
+    _raw_stream = None
+
+
+def _stream_of_index(index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def stream_of(device: torch.device) -> int:
+    """The int handle of torch's current stream on `device` (every launch goes on it)."""
+    return _stream_of_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
+_MULTI = None
+
+
+def _multi_gpu() -> bool:
+    global _MULTI
+    if _MULTI is None:
+        _MULTI = torch.cuda.device_count() > 1
+    return _MULTI
+
+
+class on_device:
+    """Make `device` current for the launch when it is not already (multi-GPU); free in the common case."""
+
+    __slots__ = ("idx", "prev")
+
+    def __init__(self, device: torch.device):
+        self.idx = device.index
+
+    def __enter__(self):
+        self.prev = None
+        if self.idx is not None and _multi_gpu():
+            cur = torch.cuda.current_device()
+            if cur != self.idx:
+                self.prev = cur
+                torch.cuda.set_device(self.idx)
+
+    def __exit__(self, *exc):
+        if self.prev is not None:
+            torch.cuda.set_device(self.prev)
+
+
+def _absmax_fp16(absmax: torch.Tensor) -> int:
+    return 1 if fmt.absmax_format_of(absmax) == "fp16" else 0
+
+
+def _cb(codebook: torch.Tensor, device: torch.device, k: int) -> torch.Tensor:
+    if codebook.device != device or codebook.dtype != torch.float32 or not codebook.is_contiguous():
+        codebook = codebook.to(device=device, dtype=torch.float32).contiguous()
+    fmt.check_codebook_size(codebook, k)
+    return codebook
+
+
+def _need(what: str, *tensors) -> None:
+    """The entry points below pass raw device pointers to the library: it must be loaded, and the tensors must live
+    on one CUDA device (None entries are skipped)."""
+    if library.lib is None:
+        raise RuntimeError(f"kbit CUDA {what}: the compiled CUDA library is not loaded ({library.load_error()}); "
+                           "the torch.ops.kbit ops fall back to the reference, or reinstall with a CUDA toolkit")
+    dev = tensors[0].device
+    for t in tensors:
+        if t is not None and (t.device.type != "cuda" or t.device != dev):
+            raise ValueError(f"kbit CUDA {what}: every tensor must be on one CUDA device; got {t.device} and {dev}")
+
+
+def _check_shapes(packed, absmax, scale, k, in_features):
+    if is_tiled(packed):  # uint8 [out, in * k / 8] (tiled.py)
+        out, words = packed.shape[-2:]
+        if (packed.dim() != 2 or words * 8 != in_features * k or tuple(absmax.shape) != (out, in_features // 32)
+                or scale.numel() != 1 or not dispatch.tiled_layout_fits(out, in_features, k, "e4m4")
+                or absmax.dtype != torch.uint8):
+            raise ValueError(f"not a tiled K = {k} weight for in_features={in_features}: packed "
+                             f"{tuple(packed.shape)}, absmax {absmax.dtype} {tuple(absmax.shape)}")
+        return
+    fmt.check_fits(packed, absmax, scale, k, in_features)
+
+
+# ---- quantize / dequantize -------------------------------------------------------------------------------------
+
+def quantize_out(weight, codebook, k, absmax_format, packed, absmax, scale):
+    """Quantize `weight` [..., out, in] (fp32/fp16/bf16, CUDA) into preallocated packed / absmax / scale."""
+    _need("quantize", weight, packed, absmax, scale)
+    fmt.check_k(k)
+    fmt.check_absmax_format(absmax_format)
+    if weight.dtype not in DTYPE_CODE:
+        weight = weight.float()
+    weight = weight.contiguous()
+    *lead, out, inp = weight.shape
+    cb = _cb(codebook, weight.device, k)
+    with on_device(weight.device):
+        rc = library.lib.kbit_quantize(weight.data_ptr(), DTYPE_CODE[weight.dtype], math.prod(lead), out, inp,
+                                       cb.data_ptr(), k, 1 if absmax_format == "fp16" else 0, packed.data_ptr(),
+                                       absmax.data_ptr(), scale.data_ptr(), stream_of(weight.device))
+    check(rc, "quantize")
+    return packed, absmax, scale
+
+
+def quantize(weight, codebook, k, absmax_format):
+    if weight.dim() < 2 or 0 in weight.shape:
+        raise ValueError(f"kbit quantizes matrices [..., out, in] with at least one element; got a tensor of shape "
+                         f"{tuple(weight.shape)}")
+    fmt.check_finite(weight)
+    return quantize_out(weight, codebook, k, absmax_format,
+                        *fmt.empty_quantized(tuple(weight.shape), k, absmax_format, weight.device))
+
+
+def dequantize_out(packed, absmax, scale, codebook, k, in_features, out):
+    """Dequantize into `out` [..., out_features, in_features] (fp32/fp16/bf16, contiguous)."""
+    _need("dequantize", packed, absmax, scale, out)
+    fmt.check_k(k)
+    *lead, rows, _ = packed.shape
+    dev = packed.device
+    cb = _cb(codebook, dev, k)
+    with on_device(dev):
+        if is_tiled(packed):
+            rc = library.lib.kbit_dequantize_tiled(packed.data_ptr(), absmax.data_ptr(), scale.data_ptr(),
+                                                   cb.data_ptr(), k, rows, in_features, out.data_ptr(),
+                                                   DTYPE_CODE[out.dtype], stream_of(dev))
+        else:
+            rc = library.lib.kbit_dequantize(packed.data_ptr(), absmax.data_ptr(), _absmax_fp16(absmax),
+                                             scale.data_ptr(), cb.data_ptr(), k, math.prod(lead), rows, in_features,
+                                             out.data_ptr(), DTYPE_CODE[out.dtype], stream_of(dev))
+    check(rc, "dequantize")
+    return out
+
+
+def dequantize(packed, absmax, scale, codebook, k, in_features, dtype=torch.float32):
+    _check_shapes(packed, absmax, scale, k, in_features)
+    packed, absmax, scale = packed.contiguous(), absmax.contiguous(), scale.contiguous()
+    kernel_dtype = dtype if dtype in DTYPE_CODE else torch.float32  # other float dtypes: decode to fp32, then cast
+    out = torch.empty((*packed.shape[:-1], in_features), dtype=kernel_dtype, device=packed.device)
+    return dequantize_out(packed, absmax, scale, codebook, k, in_features, out).to(dtype)
+
+
+# ---- linear ----------------------------------------------------------------------------------------------------
+
+def _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y, stream, kernel=0):
+    """The one ctypes call of the fused GEMV (x fp16/bf16, codebook fp32 on x's device; no checks: hot path)."""
+    lib = library.lib
+    if packed.dtype == torch.uint8:  # the tiled layout
+        args = (x.data_ptr(), DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(), scale.data_ptr(),
+                codebook.data_ptr(), k, out_f, in_features, 0 if bias is None else bias.data_ptr(), y.data_ptr())
+        if kernel:
+            return lib.kbit_gemv_tiled_kernel(*args, kernel, stream)
+        return lib.kbit_gemv_tiled(*args, stream)
+    return lib.kbit_gemv(x.data_ptr(), DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
+                         1 if absmax.dtype == torch.float16 else 0, scale.data_ptr(), codebook.data_ptr(), k, out_f,
+                         in_features, 0 if bias is None else bias.data_ptr(), y.data_ptr(), stream)
+
+
+def linear_out(x, packed, absmax, scale, codebook, k, in_features, bias, out, tiled_kernel: str = "auto"):
+    """Fused dequant-GEMV into `out` [M, out_features]: x [M, in] contiguous fp16/bf16, 1 <= M <= 64, bias None or
+    x's dtype. No allocation, no synchronisation (CUDA-graph safe). A tiled weight needs an sm_90 device;
+    `tiled_kernel` (a TILED_KERNELS name) forces one tiled GEMV variant (tests, benchmarks)."""
+    _need("linear_out", x, packed, absmax, scale, bias, out)
+    dev = x.device
+    if is_tiled(packed):
+        if not dispatch.tiled_gemv_runs_on(dev.index if dev.index is not None else torch.cuda.current_device()):
+            raise RuntimeError(f"the tiled GEMV needs an sm_90 GPU; {dev} is not one (convert with ops.bit_planes)")
+        if x.data_ptr() & 15:
+            raise ValueError("the tiled GEMV reads x in 16-byte words: x must start at a 16-byte aligned address "
+                             f"(its storage offset is {x.storage_offset()} elements); pass an aligned copy")
+    if tiled_kernel not in TILED_KERNELS:
+        raise ValueError(f"tiled_kernel: {tiled_kernel!r} is not one of {sorted(TILED_KERNELS)}")
+    _absmax_fp16(absmax)  # validates the scale dtype
+    with on_device(dev):
+        rc = _gemv_call(x, x.shape[0], packed, absmax, scale, _cb(codebook, dev, k), k, packed.shape[0], in_features,
+                        bias, out, stream_of(dev), TILED_KERNELS[tiled_kernel])
+    check(rc, "gemv")
+    return out
+
+
+_KSET = frozenset(fmt.SUPPORTED_K)
+
+
+def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
+    """y = x @ W^T + bias on CUDA: the fused GEMV where dispatch.linear_uses_gemv, else dequantize + cuBLAS."""
+    # Lean eager fast path: this is the per-token decode call, and each Python operation here is host time per layer
+    # and token, so the common case (a contiguous x on a single GPU) takes the fewest.
+    if library.lib is not None and x.is_cuda and k in _KSET and packed.dim() == 2:
+        shape = x.shape
+        M = x.numel() // in_features if in_features > 0 else 0
+        if shape[-1] == in_features and dispatch.linear_uses_gemv(M, x.dtype) \
+                and (bias is None or bias.dtype == x.dtype):
+            tiled = packed.dtype == torch.uint8
+            di = x.get_device()
+            if not tiled or dispatch.tiled_gemv_runs_on(di):
+                out_f = packed.shape[0]
+                if packed.shape[1] != ((in_features * k) >> 3 if tiled else ((in_features + 31) >> 5) * k):
+                    _check_shapes(packed, absmax, scale, k, in_features)
+                if not x.is_contiguous():
+                    x = x.contiguous()
+                if tiled and x.data_ptr() & 15:  # the tiled GEMVs read x in 16-byte words: an aligned copy
+                    x = x.clone()
+                if not (packed.is_contiguous() and absmax.is_contiguous()):
+                    packed, absmax = packed.contiguous(), absmax.contiguous()
+                if not codebook.is_cuda or codebook.dtype != torch.float32:
+                    codebook = _cb(codebook, x.device, k)
+                if bias is not None and not bias.is_contiguous():
+                    bias = bias.contiguous()
+                y = x.new_empty((*shape[:-1], out_f))
+                if _multi_gpu():
+                    with on_device(x.device):
+                        rc = _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y,
+                                        _stream_of_index(di))
+                else:
+                    rc = _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y,
+                                    _stream_of_index(di))
+                if rc:
+                    check(rc, "gemv")
+                return y
+    _need("linear", x, packed, absmax, scale, bias)
+    # Any other M (prefill) or dtype: dequantize on the GPU, then cuBLAS with fp32 accumulation. fp16/bf16
+    # activations use a weight in their own dtype (the tensor-core path); fp32 activations a fp32 weight.
+    wdtype = x.dtype if x.dtype in dispatch.GEMV_DTYPES else torch.float32
+    w = dequantize(packed, absmax, scale, codebook, k, in_features, wdtype)
+    if x.dtype == wdtype:
+        return F.linear(x, w, None if bias is None else bias.to(wdtype))
+    y = F.linear(x.float(), w, None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features):
+    """Row r = x[r] @ W[expert_ids[r]]^T; ids outside [0, E) give zero rows."""
+    from ..reference import rows_by_expert
+
+    _need("expert_linear", x, packed, absmax, scale)
+    N = x.shape[0]
+    E, out_f = packed.shape[0], packed.shape[1]
+    fmt.check_k(k)
+    if N == 0:
+        return x.new_zeros((0, out_f))
+    if dispatch.expert_linear_uses_gemv(N, x.dtype, torch.cuda.is_current_stream_capturing()):
+        _check_shapes(packed, absmax, scale, k, in_features)
+        x = x.contiguous()
+        ids = expert_ids.to(device=x.device, dtype=torch.int64).contiguous()
+        y = torch.empty((N, out_f), dtype=x.dtype, device=x.device)
+        dev = x.device
+        with on_device(dev):
+            rc = library.lib.kbit_expert_gemv(x.data_ptr(), DTYPE_CODE[x.dtype], N, ids.data_ptr(), E,
+                                              packed.contiguous().data_ptr(), absmax.contiguous().data_ptr(),
+                                              _absmax_fp16(absmax), scale.contiguous().data_ptr(),
+                                              _cb(codebook, dev, k).data_ptr(), k, out_f, in_features, y.data_ptr(),
+                                              stream_of(dev))
+        check(rc, "expert gemv")
+        return y
+    # Many rows: group them by expert (one host sync), one linear per expert present.
+    y = torch.zeros((N, out_f), dtype=x.dtype, device=x.device)
+    for e, rows in rows_by_expert(expert_ids, E):
+        y[rows] = linear(x[rows], packed[e], absmax[e], scale[e], codebook, k, in_features).to(x.dtype)
+    return y
