@@ -31,7 +31,7 @@ if [ "$rc" != 0 ]; then echo "check_build: FAILED" >&2; exit 1; fi
 "$NVCC" -shared "${gencode[@]}" -cudart static -o "$out/libkbit_cuda.so" "${objs[@]}"
 # the C ABI symbols must be exported
 for sym in kbit_abi_version kbit_error_string kbit_quantize kbit_dequantize kbit_gemv kbit_expert_gemv kbit_tile \
-    kbit_untile kbit_dequantize_tiled kbit_gemv_tiled; do
+    kbit_untile kbit_dequantize_tiled kbit_gemv_tiled kbit_gemv_tiled_kernel; do
   nm -D --defined-only "$out/libkbit_cuda.so" | grep -q " T $sym\$" || { echo "check_build: $sym not exported" >&2; exit 1; }
 done
 echo "check_build: OK ($out/libkbit_cuda.so)"

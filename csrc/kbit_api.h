@@ -1,4 +1,4 @@
-/* kbit_api.h: the plain C ABI of libkbit_cuda.so (loaded by kbit_hf/cuda_backend.py through ctypes).
+/* kbit_api.h: the plain C ABI of libkbit_cuda.so (loaded by kbit_hf/backends/cuda/library.py through ctypes).
  *
  * No torch types cross this boundary: tensors are raw device pointers plus sizes, dtypes are small integers
  * (0 = float32, 1 = float16, 2 = bfloat16), streams are cudaStream_t passed as void*. Every function only
@@ -40,7 +40,7 @@ KBIT_API int kbit_expert_gemv(const void* x, int x_dtype, int64_t N, const int64
                               const uint32_t* packed, const void* absmax, int absmax_fp16, const float* scale,
                               const float* codebook, int k, int64_t out, int64_t in, void* y, void* stream);
 
-/* The tiled layout of large K = 2..5 Linear weights (kbit_hf/format.py, "The tiled layout"; out % 16 == 0,
+/* The tiled layout of large K = 2..5 Linear weights (kbit_hf/backends/cuda/tiled.py, docs/design.md; out % 16 == 0,
  * in % 256 == 0, e4m4 block scales): wt uint8 [out, in * k / 8], at uint8 [out, in / 32], a permutation of packed
  * uint32 [out, in / 32 * k] and absmax uint8 [out, in / 32]. k: 2..5. */
 KBIT_API int kbit_tile(const uint32_t* packed, const void* absmax, int k, int64_t out, int64_t in, void* wt, void* at,
@@ -50,10 +50,15 @@ KBIT_API int kbit_untile(const void* wt, const void* at, int k, int64_t out, int
 KBIT_API int kbit_dequantize_tiled(const void* wt, const void* at, const float* scale, const float* codebook, int k,
                                    int64_t out, int64_t in, void* y, int y_dtype, void* stream);
 /* fused GEMV over the tiled layout, 1 <= M <= 64, x/bias/y float16 or bfloat16 (x 16-byte aligned); sm_90 only
- * (cudaErrorNotSupported on other devices). kernel: KBIT_TILED_AUTO (the library's choice), or KBIT_TILED_RANGE /
- * KBIT_TILED_BATCH to force the per-warp-range or the batched (M > 8) kernel, KBIT_TILED_BATCH1 / 2 / 4 the batched
- * kernel with 1, 2 or 4 warps per tile (tests); a BATCH code + KBIT_TILED_KS2: the batched kernel with its k
- * range split over clusters of 2 CTAs. */
+ * (cudaErrorNotSupported on other devices). The library picks the kernel. */
+KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at,
+                             const float* scale, const float* codebook, int k, int64_t out, int64_t in,
+                             const void* bias, void* y, void* stream);
+
+/* kbit_gemv_tiled with the kernel forced, for tests and benchmarks. kernel: KBIT_TILED_AUTO (the library's choice, as
+ * kbit_gemv_tiled), KBIT_TILED_RANGE / KBIT_TILED_BATCH the per-warp-range or the batched kernel, KBIT_TILED_BATCH1 /
+ * 2 / 4 the batched kernel with 1, 2 or 4 warps per tile; a BATCH code + KBIT_TILED_KS2: the batched kernel with its
+ * k range split over clusters of 2 CTAs. */
 enum {
   KBIT_TILED_AUTO = 0,
   KBIT_TILED_RANGE = 1,
@@ -63,9 +68,9 @@ enum {
   KBIT_TILED_BATCH4 = 5,
   KBIT_TILED_KS2 = 8
 };
-KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at,
-                             const float* scale, const float* codebook, int k, int64_t out, int64_t in,
-                             const void* bias, void* y, int kernel, void* stream);
+KBIT_API int kbit_gemv_tiled_kernel(const void* x, int x_dtype, int64_t M, const void* wt, const void* at,
+                                    const float* scale, const float* codebook, int k, int64_t out, int64_t in,
+                                    const void* bias, void* y, int kernel, void* stream);
 
 #ifdef __cplusplus
 }

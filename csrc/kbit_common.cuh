@@ -1,10 +1,11 @@
-// kbit_common.cuh: device helpers shared by every kbit kernel (see kbit_hf/format.py for the format).
+// kbit_common.cuh: device helpers shared by every kbit kernel (the bit-plane format: docs/format.md).
 //
-// Everything here is __host__ __device__ where possible so that the bit tricks can be unit-tested on the CPU
-// (csrc/host_selftest.cu compiles them into a host program).
+// Everything here is __host__ __device__ where possible so that the bit tricks can be unit-tested on the CPU (the
+// host tests in tests/host compile them into a host program).
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

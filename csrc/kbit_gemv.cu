@@ -1,7 +1,7 @@
-// kbit_gemv.cu: fused dequantize + GEMV for the decode path (M = 1..64 activation rows, fp16/bf16, fp32 accumulate)
-// on the tensor cores (mma.sync m16n8k16, sm_80+), and the grouped (per-row expert) GEMV used by KbitMoE.
+// kbit_gemv.cu: fused dequantize + GEMV over the bit planes (docs/format.md) for the decode path (M = 1..64 activation
+// rows, fp16/bf16, fp32 accumulate) on the tensor cores (mma.sync m16n8k16, sm_80+), and the grouped (per-row expert)
+// GEMV used by KbitMoE. Which variant a call runs: kbit_dispatch.h.
 //
-// v6 design (see docs/kernels_history.md, "GEMV v6", for the measurements):
 // - A CTA owns one tile of 16 output rows (blockIdx.y = token for the expert variant) and W = 4 or 8 warps that
 //   split the input dimension: warp w handles steps w, w + W, ..., a step being 8 consecutive 32-element blocks;
 //   the W partial tiles are summed through shared memory in a fixed order (deterministic, no atomics, no workspace).
@@ -11,63 +11,58 @@
 //   words itself (one 16-byte load per row and block for K = 4, two 8-byte and one 4-byte load for K = 5 at M <= 8,
 //   every packed byte read once, no shuffles) one step ahead through pointers that the loop advances, and the 32
 //   activations of the same block for token g at use (M <= g: zeros).
-// - Decode, three modes (template MODE, picked per K at launch; KBIT_GEMV_CFG overrides, see launch()):
-//   * registers (MODE 1, default for K = 2, 3): the codebook values (times PRE, in the activation dtype) are held
-//     as byte planes in registers (tl[n] / th[n]: low / high bytes of entries 4n..4n+3). A partial 4x4 bit transpose
-//     of planes 0..2 (15 instructions per row-block) gives Q_e (e = 0..3) whose nibble k is the 3-bit index of
-//     element 4k + e (bit 3 clear: PRMT reads it as sign-replicate); nibbles 0..3 / 4..7 (Q_e >> 16) select the group
-//     {e, e+4, e+8, e+12} / 16 + that. Per group: one PRMT over (tl[0], tl[1]) and one over (th[0], th[1]) look up
-//     the 4 low / high bytes (entries 0..7); K = 4 repeats that over entries 8..15 and merges by plane 3 with one
-//     PRMT per byte plane (selector nibble i = i + 4 * bit3 of element i); two PRMTs interleave the bytes into the
-//     bf16x2 / f16x2 pairs (e, e + 4) and (e + 8, e + 12). The activations are paired the same way, one PRMT per
-//     pair from the loaded (2i, 2i+1) words. No shared memory, no L1 traffic for the lookup.
-//   * table (MODE 0, v2, the only mode for K = 5): for s = 0..3 the K bit planes are folded into one word
+// - Decode, three modes (template MODE, per K: gemv_decode_mode):
+//   * registers (MODE 1, K = 2, 3): the codebook values (times PRE, in the activation dtype) are held as byte planes
+//     in registers (tl[n] / th[n]: low / high bytes of entries 4n..4n+3). A partial 4x4 bit transpose of planes 0..2
+//     (15 instructions per row-block) gives Q_e (e = 0..3) whose nibble k is the 3-bit index of element 4k + e (bit 3
+//     clear: PRMT reads it as sign-replicate); nibbles 0..3 / 4..7 (Q_e >> 16) select the group {e, e+4, e+8, e+12} /
+//     16 + that. Per group: one PRMT over (tl[0], tl[1]) and one over (th[0], th[1]) look up the 4 low / high bytes
+//     (entries 0..7); K = 4 repeats that over entries 8..15 and merges by plane 3 with one PRMT per byte plane
+//     (selector nibble i = i + 4 * bit3 of element i); two PRMTs interleave the bytes into the bf16x2 / f16x2 pairs
+//     (e, e + 4) and (e + 8, e + 12). The activations are paired the same way, one PRMT per pair from the loaded
+//     (2i, 2i+1) words. No shared memory, no L1 traffic for the lookup.
+//   * table (MODE 0, K = 5, and every K at NT = 8): for s = 0..3 the K bit planes are folded into one word
 //     t_s = OR_j ((w_j >> (2s - 2j)) & (0x03030303 << 2j)) whose byte B is the 2K-bit index of the element pair
 //     (8B + 2s, 8B + 2s + 1); K = 5 uses two words with 16-bit fields. One LDS.32 per pair reads both weights from a
 //     per-CTA pair table of 2^(2K) bf16x2 / f16x2 entries built from the codebook at kernel start, replicated
 //     R = 32 times for K <= 3 (lane l reads replica l: conflict-free), 8 times for K = 4, 5.
-//   * hybrid (MODE 2, default for K = 4): the first owned block of each step through the registers, the second
-//     through the table, which splits the lookup between the integer pipe (PRMT) and the shared-memory pipe (LDS);
-//     it measured faster than either alone for K = 4.
+//   * hybrid (MODE 2, K = 4): the first owned block of each step through the registers, the second through the
+//     table, which splits the lookup between the integer pipe (PRMT) and the shared-memory pipe (LDS).
 //   The block scale is applied to each pair with one HMUL2 (bf16x2 / f16x2); e4m4 scales decode exactly as
 //   uint_as_float(code << 19) * 2^116.
-// - Folded tiles (M <= 4, few output rows: see launch()): a CTA owns 8 rows and a step 16 blocks; the MMA's rows
-//   8..15 carry the step's second 8 blocks of the same 8 rows, their activations sit in B columns 4..7, and the two
-//   halves are added in the epilogue. Twice the CTAs of the 16-row grid, the same decode and bytes per lane.
-// - Token tiles (M = 9..64, template NT = 2, 4 or 8 tiles of 8 tokens; docs/kernels_history.md "Token tiles"): the same
-//   decode modes (NT = 8: the table), each half row-block decoded once for NT MMAs (register decode: the activations
-//   paired by PRMT); the CTA is blockDim.y row groups x blockDim.x / 32 k-split warps, and the row groups of one split
-//   share each step's activations through two cp.async stages in shared memory.
-// - Numerics (all modes, bitwise the same weight values as v2): the MMA needs the weights in the activation dtype,
-//   so cb is rounded to bf16/fp16, the block scale to bf16 (exact for e4m4 scales) and the product cb * d once more;
-//   for fp16, cb and d are pre-multiplied by 16 each (the fp16 product cb*d*256 stays normal for every e4m4 scale)
-//   and the result multiplied by 2^-8 at the end. Accumulation is fp32 (the register modes feed the MMA k slots in
-//   another element order than v2, so the fp32 sums may round differently); the result times the per-tensor scale
+// - Folded tiles (M <= 4, few output rows: gemv_fold): a CTA owns 8 rows and a step 16 blocks; the MMA's rows 8..15
+//   carry the step's second 8 blocks of the same 8 rows, their activations sit in B columns 4..7, and the two halves
+//   are added in the epilogue. Twice the CTAs of the 16-row grid, the same decode and bytes per lane.
+// - Token tiles (M = 9..64, template NT = 2, 4 or 8 tiles of 8 tokens): the same decode modes, each half row-block
+//   decoded once for NT MMAs (register decode: the activations paired by PRMT); the CTA is blockDim.y row groups x
+//   blockDim.x / 32 k-split warps, and the row groups of one split share each step's activations through two cp.async
+//   stages in shared memory.
+// - Numerics: every mode yields bitwise the same weight values. The MMA needs the weights in the activation dtype, so
+//   cb is rounded to bf16/fp16, the block scale to bf16 (exact for e4m4 scales) and the product cb * d once more; for
+//   fp16, cb and d are pre-multiplied by 16 each (the fp16 product cb*d*256 stays normal for every e4m4 scale) and the
+//   result multiplied by 2^-8 at the end. Accumulation is fp32 (the register modes feed the MMA k slots in another
+//   element order than the table, so the fp32 sums may round differently); the result times the per-tensor scale
 //   plus bias is rounded to the activation dtype.
 #include "kbit_api.h"
 #include "kbit_common.cuh"
+#include "kbit_dispatch.h"
 
 #include <cuda_runtime.h>
-#include <cstdlib>
-#include <cstring>
 
 using namespace kbit;
 
 namespace {
 
-constexpr int TILE = 16;        // output rows per CTA
-constexpr int STEP = 8;         // 32-element blocks per warp step
-constexpr int MAX_WARPS = 8;
-constexpr int MAX_M = 64;       // activation rows of the fused kernel (more: dequantize + cuBLAS)
-// default decode mode per K (see the file header): table for K = 5, hybrid for K = 4, registers for K = 2, 3
-constexpr int default_mode(int K) { return K == 5 ? 0 : K == 4 ? 2 : 1; }
+constexpr int TILE = GEMV_TILE_ROWS;       // output rows per CTA
+constexpr int STEP = GEMV_STEP_BLOCKS;     // 32-element blocks per warp step
+constexpr int MAX_WARPS = GEMV_MAX_WARPS;
 
 template <int K>
 struct Cfg {
   static constexpr int NP = 1 << (2 * K);  // pair-table entries
   // replicas (lane l reads replica l % R, so lanes never conflict with lanes of another replica): K = 2, 3: 32
-  // (conflict-free); K = 4: 8 (8 KB; 32 replicas measured slower on 14336x4096 and 4096x4096, kernels_history.md);
-  // K = 5: 8 (32 KB; 2 replicas were 3-5% slower)
+  // (conflict-free); K = 4: 8 (8 KB; 32 replicas are slower on 14336x4096 and 4096x4096); K = 5: 8 (32 KB;
+  // 2 replicas are 3-5% slower)
   static constexpr int R = K <= 3 ? 32 : 8;
   static constexpr int WORDS = NP * R;
   static constexpr int LR = R == 32 ? 5 : R == 16 ? 4 : R == 8 ? 3 : R == 4 ? 2 : R == 2 ? 1 : 0;
@@ -130,7 +125,7 @@ __device__ __forceinline__ void decode_block(const uint32_t (&w)[5], uint32_t d2
   }
 }
 
-// ---- v6: codebook lookup in registers (K = 2, 3, 4) ----
+// ---- codebook lookup in registers (K = 2, 3, 4) ----
 // x >> N as a multiply-high (IMAD.HI on the FMA pipe instead of SHF on the integer pipe, which the PRMTs fill)
 template <int N>
 __host__ __device__ __forceinline__ uint32_t shr_hi(uint32_t x) {
@@ -237,8 +232,7 @@ __device__ __forceinline__ void load_words(const uint32_t* __restrict__ p, uint3
   } else if constexpr (K == 5 && WIDE5) {
     // a 20-byte block starts 8-byte aligned or 4 bytes past that (the words are 4-byte aligned): two 8-byte loads
     // and one 4-byte load for either case, chosen per lane by the address, and the words put in order with selects.
-    // Five 32-bit loads per block kept the L1 data pipe at 71% of its peak, the busiest unit of the K = 5 kernel
-    // (docs/kernels_history.md, "Which unit binds").
+    // Five 32-bit loads per block keep the L1 data pipe at 71% of its peak, the busiest unit of the K = 5 kernel.
     const bool a8 = (reinterpret_cast<uintptr_t>(p) & 7) == 0;
     const uint2 a = __ldcs(reinterpret_cast<const uint2*>(p + (a8 ? 0 : 1)));
     const uint2 b = __ldcs(reinterpret_cast<const uint2*>(p + (a8 ? 2 : 3)));
@@ -495,7 +489,7 @@ __device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restric
 }
 
 // x rows: x + m * in (m < M). ids != nullptr: expert mode (M == 1), token n = blockIdx.y, expert ids[n].
-// NREG: register cap (128 = 2 CTAs of 8 warps / 4 of 4 warps per SM; 96: 5 CTAs of 4 warps; 80: 6 of 4, 3 of 8)
+// NREG: register cap (gemv_max_regs; 128 = 2 CTAs of 8 warps or 4 of 4 warps per SM)
 // NT: token tiles of 8 (M <= 8 * NT). The CTA is blockDim.y row groups (16 rows each: tile
 // blockIdx.x * blockDim.y + threadIdx.y) x blockDim.x / 32 warps splitting the input dimension. With NT > 1 the row
 // groups of one split walk the same steps and share each step's activations through shared memory (stage_x): every
@@ -505,7 +499,7 @@ __device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restric
 // b0 + 12 + q ("row g + 8") of row g. The B operand holds token t's activations of the first 8 blocks in column t
 // and of the second 8 in column 4 + t, so D[g][t] + D[g + 8][4 + t] is row g's sum. Same decode, same bytes per
 // lane, 256-byte runs per row and step instead of 128, twice the CTAs: faster only where the 16-row grid leaves SMs
-// idle (docs/kernels_history.md, eighth session).
+// idle (gemv_fold).
 template <int K, typename T, int MODE, int NREG, int NT, bool FOLD = false>
 __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     const T* __restrict__ x, int M, const uint32_t* __restrict__ packed, const void* __restrict__ absmax, int fp16,
@@ -706,67 +700,23 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     }
 }
 
-// KBIT_GEMV_CFG parser: code[K] = -1 (default), 0 (table) or mode * 1000 + cap (mode 1 = registers, 2 = hybrid)
-struct GemvCfg {
-  int code[6];
-};
-inline GemvCfg parse_gemv_cfg(const char* v) {
-  GemvCfg c = {{-1, -1, -1, -1, -1, -1}};
-  for (; v != nullptr && *v; ++v) {
-    if ((*v == '*' || (*v >= '2' && *v <= '4')) && v[1] == '=') {
-      const char m = v[2];
-      const int mode = m == 't' ? 0 : m == 'r' ? 1 : m == 'h' ? 2 : -1;
-      const int cap = mode > 0 ? atoi(v + 3) : 0;
-      const int code = mode == 0 ? 0 : (mode > 0 && (cap == 80 || cap == 96 || cap == 128)) ? mode * 1000 + cap : -1;
-      for (int k = 2; k <= 4; ++k)
-        if (*v == '*' || *v - '0' == k) c.code[k] = code;
-    }
-  }
-  return c;
-}
-
-// M = 9..64: token tiles (NT = 2, 4 or 8), RW row groups x KW k-split warps per CTA, register cap 168 (NT = 8: 216),
-// the decode mode of M <= 8 (K = 2, 3 registers, K = 4 hybrid, K = 5 table). Benchmark knobs (read once):
-// KBIT_GEMM_TILE=<RW>x<KW>, RW in 1, 2, 4, 8, KW in 1, 2, 4, 8, RW * KW <= 8, KW * NT <= 16; KBIT_GEMM_DECODE=table
-// (the pair table for every K).
+// M = 9..64: NT token tiles in CTAs of RW row groups x KW k-split warps (gemv_token_cta), in the decode mode and
+// register cap of gemv_decode_mode and gemv_max_regs.
 template <int K, typename T, int NT>
 int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absmax, int fp16, const float* scale,
               const float* cb, int64_t out, int64_t in, int64_t nb, int vec, const void* bias, void* y,
               cudaStream_t st) {
-  static const int tile_env = [] {
-    const char* v = getenv("KBIT_GEMM_TILE");
-    if (v == nullptr) return 0;
-    const int r = atoi(v);
-    const char* xp = v;
-    while (*xp && *xp != 'x') ++xp;
-    const int k = *xp ? atoi(xp + 1) : 0;
-    const bool ok = (r == 1 || r == 2 || r == 4 || r == 8) && (k == 1 || k == 2 || k == 4 || k == 8) && r * k <= 8;
-    return ok ? r * 16 + k : 0;
-  }();
-  static const bool table_env = [] {
-    const char* v = getenv("KBIT_GEMM_DECODE");
-    return v != nullptr && strcmp(v, "table") == 0;
-  }();
   int dev = 0, sms = 0;
   if (!current_device_sms(dev, sms)) return (int)cudaErrorInvalidDevice;
-  // Default tile (H100, docs/kernels_history.md "Token tiles"): 64-row CTAs for long output dimensions, 32
-  // otherwise, and the fewest k splits that give at least 6 warps per SM: long runs of steps per warp beat more,
-  // shorter warps.
-  int RW = out >= 8192 ? 4 : 2, KW = 1;
-  while (KW * 2 * NT <= 16 && RW * KW * 2 <= MAX_WARPS &&
-         ((out + TILE * RW - 1) / (TILE * RW)) * RW * KW < 6 * (int64_t)sms)
-    KW *= 2;
-  if (tile_env && (tile_env % 16) * NT <= 16) { RW = tile_env / 16; KW = tile_env % 16; }
+  const GemvTokenCta cta = gemv_token_cta(out, NT, sms);
+  const int RW = cta.rw, KW = cta.kw;
   const int64_t tiles = (out + TILE * RW - 1) / (TILE * RW);
   if (tiles > 0x7FFFFFFF) return (int)cudaErrorInvalidConfiguration;
-  // NT = 8 decodes through the table: the register decode would hold all 8 tiles' activations (64 registers)
-  constexpr int kMode = NT == 8 ? 0 : default_mode(K);
-  constexpr int kRegs = NT == 8 ? 216 : 168;  // no spills (ptxas -v)
-  auto kern = table_env ? gemv_kernel<K, T, 0, kRegs, NT> : gemv_kernel<K, T, kMode, kRegs, NT>;
-  // activation stages: 2 per k split, 33 KB per split at NT = 4; the opt-in limit (the largest, KW * NT = 16) is set
-  // once per device (kern is fixed for the process: the knobs are read once)
+  auto kern = gemv_kernel<K, T, gemv_decode_mode(K, NT), gemv_max_regs(NT), NT>;
+  // activation stages: 2 per k split, 33 KB per split at NT = 4; the opt-in limit (the largest, KW * NT =
+  // GEMV_MAX_KW_NT) is set once per device
   const int dyn = KW * 2 * 8 * NT * XS_TOKEN;
-  constexpr int kMaxDyn = 16 * 2 * 8 * XS_TOKEN;  // 132 KB
+  constexpr int kMaxDyn = GEMV_MAX_KW_NT * 2 * 8 * XS_TOKEN;  // 132 KB
   static bool attr_set[64] = {};
   if (!attr_set[dev]) {
     const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDyn);
@@ -784,66 +734,27 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
            const void* absmax, int fp16, const float* scale, const float* cb, int64_t out, int64_t in,
            const void* bias, void* y, cudaStream_t st) {
   if (out == 0 || N == 0) return 0;
-  if (M < 1 || M > MAX_M || (ids != nullptr && M != 1)) return (int)cudaErrorInvalidValue;
+  if (M < 1 || M > GEMV_MAX_M || (ids != nullptr && M != 1)) return (int)cudaErrorInvalidValue;
   if (in > (int64_t)1 << 30) return (int)cudaErrorInvalidConfiguration;  // 32-bit in-row offsets in both kernels
   const int64_t nb = (in + 31) / 32;
   const int vec = (in % 8 == 0) && ((reinterpret_cast<uintptr_t>(x) & 15) == 0);
-  if (M > 32) return launch_nt<K, T, 8>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
-  if (M > 8) return M > 16 ? launch_nt<K, T, 4>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st)
-                           : launch_nt<K, T, 2>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
-  // M <= 4 on layers with few output rows: folded 8-row tiles (see gemv_kernel), with the default decode. They double
-  // the CTAs of a grid that leaves SMs idle: used while the 16-row grid has at most 1.5 CTAs per SM (K = 2, 3 at M = 1:
-  // 2) and in >= 2048. H100 (docs/kernels_history.md, eighth session): 1.05-1.32x on 512..3072 x 2048..4096; at 4096
-  // rows only K = 2, 3 at M = 1 gain (M = 4 lost up to 12%); slower for in < 2048 (too few 16-block steps per row).
-  // Benchmark knob (read once): KBIT_GEMV_FOLD=0 / 1: never / whenever M <= 4 (both only with the default decode:
-  // a KBIT_GEMV_CFG entry for that K turns folding off).
-  static const int fold_env = [] {
-    const char* v = getenv("KBIT_GEMV_FOLD");
-    return v == nullptr ? -1 : strcmp(v, "1") == 0 ? 1 : strcmp(v, "0") == 0 ? 0 : -1;
-  }();
-  static const GemvCfg cfg_env = parse_gemv_cfg(getenv("KBIT_GEMV_CFG"));
+  switch (token_tiles(M)) {
+    case 8: return launch_nt<K, T, 8>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
+    case 4: return launch_nt<K, T, 4>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
+    case 2: return launch_nt<K, T, 2>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
+    default: break;
+  }
   int dev = 0, sms = 0;
   if (!current_device_sms(dev, sms)) return (int)cudaErrorInvalidDevice;
   const int64_t rows = ids ? N : 1;  // grid.y
-  const bool fold = M <= 4 && cfg_env.code[K] < 0 &&
-                    (fold_env == 1 || (fold_env < 0 && in >= 2048 &&
-                                       2 * ((out + TILE - 1) / TILE) * rows <= (K <= 3 && M == 1 ? 4 : 3) * sms));
+  const bool fold = gemv_fold(K, M, in, ((out + TILE - 1) / TILE) * rows, sms);
   const int tr = fold ? 8 : TILE;
   const int64_t tiles = (out + tr - 1) / tr;
   dim3 grid((unsigned)tiles, (unsigned)rows);
   if (grid.y > 65535u || tiles > 0x7FFFFFFF) return (int)cudaErrorInvalidConfiguration;
-  // warps per CTA: enough for ~16 per SM on a 132-SM part, 8 per tile for few tiles of long rows, else 4 (folded:
-  // 8 while the 8-row tiles fit on the SMs once and a row has at least 8 steps)
-  const int64_t work = tiles * (int64_t)grid.y;
-  const bool few_tiles = fold ? work <= sms : work * 4 < 2048;
-  int W = (few_tiles && nb >= 16 * STEP) ? 8 : 4;
-  static const int w_env = [] {  // tuning knob for benchmarks: KBIT_GEMV_WARPS = 1, 2, 4 or 8
-    const char* v = getenv("KBIT_GEMV_WARPS");
-    const int n = v ? atoi(v) : 0;
-    return (n == 1 || n == 2 || n == 4 || n == 8) ? n : 0;
-  }();
-  if (w_env) W = w_env;
-  // decode (MODE): 0 = the shared-memory pair table (v2), 1 = codebook in registers (v6), 2 = hybrid (v6): the first
-  // owned block of a step from registers, the second from the table; and a register cap (NREG) for modes 1 and 2.
-  // Defaults (docs/kernels_history.md, GEMV v6 run 10): K = 2, 3 registers, K = 4 hybrid, K = 5 table, cap 128 (= v2's
-  // __launch_bounds__(256, 2)). Benchmark knob (read once): KBIT_GEMV_CFG, a comma list of K=<t|r|h><cap>, e.g.
-  // "2=r80,3=r96,4=h96" (t = table; cap 80, 96 or 128), "*=..." for every K <= 4. The caps 80 / 96 (ptxas: no or few
-  // spills for K = 2, 3; 8 / 80 bytes for K = 4) pass the GPU tests but were no faster anywhere and 11-30% slower for
-  // K = 4 (docs/kernels_history.md, register caps), so the default cap stays 128.
-  auto kern = fold ? gemv_kernel<K, T, default_mode(K), 128, 1, true> : gemv_kernel<K, T, 0, 128, 1>;
-  if constexpr (K <= 4) {
-    constexpr int kDefault = default_mode(K) * 1000 + 128;
-    if (!fold) switch (cfg_env.code[K] >= 0 ? cfg_env.code[K] : kDefault) {
-      case 0: kern = gemv_kernel<K, T, 0, 128, 1>; break;
-      case 1080: kern = gemv_kernel<K, T, 1, 80, 1>; break;
-      case 1096: kern = gemv_kernel<K, T, 1, 96, 1>; break;
-      case 1128: kern = gemv_kernel<K, T, 1, 128, 1>; break;
-      case 2080: kern = gemv_kernel<K, T, 2, 80, 1>; break;
-      case 2096: kern = gemv_kernel<K, T, 2, 96, 1>; break;
-      case 2128: kern = gemv_kernel<K, T, 2, 128, 1>; break;
-      default: break;
-    }
-  }
+  const int W = gemv_warps(fold, tiles * (int64_t)grid.y, nb, sms);
+  constexpr int kMode = gemv_decode_mode(K, 1), kRegs = gemv_max_regs(1);
+  auto kern = fold ? gemv_kernel<K, T, kMode, kRegs, 1, true> : gemv_kernel<K, T, kMode, kRegs, 1>;
   kern<<<grid, W * 32, 0, st>>>(reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb,
                                 reinterpret_cast<const T*>(bias), reinterpret_cast<T*>(y), out, (int)in, (int)nb, ids,
                                 E, vec);

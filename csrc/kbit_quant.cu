@@ -16,6 +16,7 @@
 //   fill one 32-byte sector per store instruction. Value = (cb * d) * scale in fp32.
 #include "kbit_api.h"
 #include "kbit_common.cuh"
+#include "kbit_dispatch.h"
 
 #include <cuda_runtime.h>
 
@@ -110,10 +111,10 @@ __global__ void quant_scale_kernel(float* scale, int64_t E) {
 }
 
 // ---- dequantize ----
-// The block's K words. K = 3..5 load them as streaming loads (ld.global.cs, evict first): with the grid cap below, on
-// the H200 K = 3 went from 80% to 88-90% of copy, K = 4 from 81-82% to 89-90%, K = 5 from 78% to 88%; on the H100
-// 1.01-1.05x (twenty-first session, docs/results/dq_stream runs 7, 8, 11). K = 2 keeps the ordinary load: on the H200
-// its streaming loads read 81.7-86.8% of copy (mean 85.0%, 18 readings), the ordinary ones 82.4-88.4% (86.0%, 12).
+// The block's K words. K = 3..5 load them as streaming loads (ld.global.cs, evict first): with the grid cap of
+// dequant_blocks_per_sm, on the H200 K = 3 reads 88-90% of copy instead of 80%, K = 4 89-90% instead of 81-82%, K = 5
+// 88% instead of 78%; on the H100 1.01-1.05x. K = 2 keeps the ordinary load: on the H200 its streaming loads read
+// 81.7-86.8% of copy (mean 85.0%), the ordinary ones 82.4-88.4% (86.0%).
 template <int K>
 __device__ __forceinline__ void load_block_words(const uint32_t* __restrict__ p, uint32_t (&wd)[5]) {
   if constexpr (K == 4) {
@@ -132,11 +133,8 @@ __device__ __forceinline__ void load_block_words(const uint32_t* __restrict__ p,
 // lands at y + 32 blk + 8 s and the per-tensor scale is loop-invariant, so the loop needs no 64-bit divisions
 // (two per 8 elements otherwise, which held the kernel at ~75% of the SM copy bandwidth on an H100).
 // Two threads per block, each storing the halves (8h.., 16+8h..) so that every store instruction writes whole sectors,
-// and a grid of up to 128 blocks per SM (K = 3..5: 64), grid-stride beyond: 89-93% of the SM copy on an H100 for
-// K = 2..5, against 80-85% with 4 threads per block, two items per thread and 32 blocks per SM
-// (docs/kernels_history.md, "Dequantize: two threads per block"). K = 3..5 take 64 since their streaming loads
-// (load_block_words): with 128, K = 5 reached only 81-84% of copy on the H200, with 64 86-88%; K = 2 with 64 read
-// 83-84% against 82-88% with 128 (twenty-first session, docs/results/dq_stream).
+// and a grid of dequant_blocks_per_sm blocks per SM, grid-stride beyond: 89-93% of the SM copy on an H100 for K = 2..5,
+// against 80-85% with 4 threads per block, two items per thread and 32 blocks per SM.
 template <int K, typename TO, bool DENSE>
 __global__ void __launch_bounds__(256) dequant_kernel(const uint32_t* __restrict__ packed, const void* __restrict__ absmax,
                                                       int absmax_fp16, const float* __restrict__ scale,
@@ -185,8 +183,8 @@ __global__ void __launch_bounds__(256) dequant_kernel(const uint32_t* __restrict
           uint32_t pk[4];
 #pragma unroll
           for (int i = 0; i < 4; ++i) pk[i] = Mma<TO>::pack(v[2 * i], v[2 * i + 1]);
-          // streaming store (evict first): H200, K = 2 77-78% -> 86-87% of copy, K = 3..5 unchanged (twentieth
-          // session, docs/results/x_pred run 11)
+          // streaming store (evict first): on the H200 K = 2 reads 86-87% of copy instead of 77-78%, K = 3..5 the
+          // same
           __stcs(reinterpret_cast<uint4*>(dst), make_uint4(pk[0], pk[1], pk[2], pk[3]));
         } else {
           reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
@@ -230,7 +228,7 @@ int dequant_launch(const uint32_t* packed, const void* absmax, int fp16, const f
   if (threads_needed == 0) return 0;
   int vec = (in % 8 == 0) && ((reinterpret_cast<uintptr_t>(y) & 15) == 0);
   // grid-stride beyond (8192^2 elements on 132 SMs: K = 2 one item per thread, K = 3..5 two; see dequant_kernel)
-  const int blocks = grid_for_threads(threads_needed, 256, K == 2 ? 128 : 64);
+  const int blocks = grid_for_threads(threads_needed, 256, dequant_blocks_per_sm(K));
   if (vec && E == 1 && in % BLOCK == 0)
     dequant_kernel<K, TO, true><<<(unsigned)blocks, 256, 0, st>>>(packed, absmax, fp16, scale, cb, E, out, in, nb,
                                                                    reinterpret_cast<TO*>(y), vec);
@@ -257,9 +255,8 @@ int dequant_k(int k, const uint32_t* packed, const void* absmax, int fp16, const
 
 extern "C" {
 
-int kbit_abi_version(void) { return 9; }  // 2: kbit_gemv takes M <= 64; 3: the tiled layout; 4: kbit_gemv_tiled kernel;
-                                          // 5: the tiled functions take k (K = 2 tiled); 6: K = 5 tiled;
-                                          // 7: K = 3 tiled; 8: KBIT_TILED_KS2; 9: K = 4, 5 tiled halves swizzled
+// the version of this C ABI (kbit_api.h and the tiled layout's bytes); a loader refuses a library of another version
+int kbit_abi_version(void) { return 10; }
 
 const char* kbit_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
 

@@ -1,5 +1,6 @@
-// kbit_tiled.cu: the tiled layout of large K = 2..5 Linear weights on sm_90 (kbit_hf/format.py, "The tiled
-// layout"): the conversions from and to the bit planes, two fused GEMVs over it (M = 1..64) and its dequantize.
+// kbit_tiled.cu: the tiled layout of large K = 2..5 Linear weights on sm_90 (described in Python at
+// kbit_hf/backends/cuda/tiled.py, and in docs/design.md): the conversions from and to the bit planes, two fused GEMVs
+// over it (M = 1..64) and its dequantize. Which GEMV a call runs, and its launch shape: kbit_dispatch.h.
 //
 // Layout (out % 16 == 0, in % 256 == 0; T = out / 16 tiles, C = in / 128 chunks per row): a permutation of the bits
 // of the bit planes and the e4m4 block scales. 256 K bytes of weights per (tile t, chunk c), 8 K per lane l = 4 g + q.
@@ -15,8 +16,8 @@
 // = block 4 c + b of row 16 t + r. Each k slice of an MMA lies inside one block of each row, so the block scale
 // multiplies the MMA's partial sums in fp32 (4 FFMA per block and lane).
 //
-// GEMV by warp ranges (gemv_tiled_kernel, M <= 8 and layers of few tiles; docs/kernels_history.md, ninth and tenth
-// sessions): one persistent CTA of NW warps per SM owns whole tiles (an even split of the tiles over the grid). Its
+// GEMV by warp ranges (gemv_tiled_kernel, M <= 8 and layers of few tiles): one persistent CTA of NW warps per SM owns
+// whole tiles (an even split of the tiles over the grid). Its
 // items (2 chunks: 512 K bytes of weights + 128 B of scales, contiguous in the layout) are split into NW contiguous
 // ranges, one per warp, so each warp streams one contiguous byte range through its own ring of S shared-memory slots,
 // filled by bulk asynchronous copies (cp.async.bulk, one mbarrier per slot, lane 0 issues; TMA, sm_90). The pair table
@@ -34,9 +35,9 @@
 // The batched GEMV (gemv_tiled_batch_kernel, M = 9..64 on layers of many tiles) has its own comment below.
 #include "kbit_api.h"
 #include "kbit_common.cuh"
+#include "kbit_dispatch.h"
 
 #include <cuda_runtime.h>
-#include <cstdlib>
 #include <type_traits>
 
 using namespace kbit;
@@ -71,14 +72,6 @@ constexpr uint32_t table_end() {
 // a stage of the batched kernel's ring: NT * 8 token rows of activations (576-byte rows, see the kernel), then NW
 // items' weights and NW items' scales
 constexpr uint32_t XROW = 576;
-// The batched kernel's producer warps: 2 (activations / items) from NT = 4 on; at NT = 2 (M = 9..16) one, as before the
-// twenty-third session. Two were 1.1-1.3x faster there alone, but end to end at batch 16 (Llama-3-8B shape, H100) a
-// process decodes at one of two speeds, main's too, and with two producers 4 of 5 processes read the slow one against
-// main's 1 of 6 (docs/results/producers, runs 10-13; not understood)
-template <int NT>
-constexpr int batch_producers() {
-  return NT == 2 ? 1 : 2;
-}
 template <int K, int NW, int NT>
 constexpr uint32_t batch_stage_bytes() {
   return NT * 8 * XROW + NW * Tiled<K>::ITEM;
@@ -98,7 +91,7 @@ __host__ __device__ constexpr uint32_t ring_end(uint32_t nslots) {
 // The range kernel's boundary partials (its epilogue's input), [NW warps][2 sides][NT] x 512 bytes: right after the
 // ring (where a slot past the last would go), unless that is below the table and the region would run into it; then
 // after the ring's end. Kept out of the space above the table where possible: more shared memory leaves less L1 for
-// the activations (a 32 KB region there cost up to 15% at M = 32, sixteenth session).
+// the activations (a 32 KB region there cost up to 15% at M = 32).
 // (The batched kernel's split partials go the same way: partials_addr.)
 template <uint32_t TEND, uint32_t SB>
 constexpr uint32_t partials_addr(uint32_t nslots, uint32_t bytes) {
@@ -224,8 +217,8 @@ __device__ __forceinline__ uint32_t table_lane(int lane) {
 }
 // The byte offset (16 or 0) by which lane's two 16-byte halves of a chunk are swapped: K = 4 and K = 5's low nibbles,
 // odd g (blocks 2, 3 first); K = 2, 3: none. So the 16-byte loads of one half by a quarter warp, lanes l .. l + 7 at
-// 32 l + 16 (g & 1), hit 8 distinct 4-bank groups; unswizzled, two lanes shared each, and every such load took 8
-// wavefronts instead of 4 (ncu, H200, twenty-fifth session: 15% of the range kernel's shared-memory wavefronts)
+// 32 l + 16 (g & 1), hit 8 distinct 4-bank groups; unswizzled, two lanes would share each, and every such load take 8
+// wavefronts instead of 4 (15% of the range kernel's shared-memory wavefronts on the H200)
 template <int K>
 __host__ __device__ constexpr uint32_t half_swizzle(int lane) {
   return K >= 4 ? (uint32_t)(lane & 4) << 2 : 0u;
@@ -408,11 +401,8 @@ __device__ __forceinline__ CodebookBytes<N> codebook_bytes(float cb_lane, float 
 // K = 2 without shared memory: the 4 codebook values' bytes; PRMT(lo, hi, selector nibbles i0, 4 + i0, i1, 4 + i1) is
 // the pair (cb[i0], cb[i1]). Decodes the A operands of one block (word w: byte 2 h + rh holds i0..i3 of registers a_rh
 // (i0, i1) and a_rh+2 (i2, i3) of k slice h) with integer operations only, to take lookups off the shared-memory pipe,
-// which binds the K = 2 GEMV (docs/kernels_history.md, eleventh session).
+// which binds the K = 2 GEMV (the range kernel does so for TILED_K2_REG_BLOCKS of each item's 8 blocks).
 using K2Regs = CodebookBytes<4>;
-// blocks of each 8-block item that the K = 2 range kernel decodes in registers (H100, M = 1: 2 of 8 measured 1.01-1.10x
-// the table alone, 3 and 4 in between, all 8 slower: the integer pipe then binds; docs/results/tiled_k2, run 9)
-constexpr int K2_REG_BLOCKS = 2;
 __device__ __forceinline__ void decode_k2_regs(uint32_t w, const K2Regs& cr, uint32_t (&A)[2][4]) {
 #pragma unroll
   for (int s = 0; s < 2; ++s)      // bytes s (k slice 0) and s + 2 (k slice 1): row half rh = s
@@ -430,16 +420,8 @@ __device__ __forceinline__ void decode_k2_regs(uint32_t w, const K2Regs& cr, uin
 // indices are PRMT selectors over such a register pair: from a word of 4 pair bytes, one shift and two LOP3s make the
 // selectors of 4 indices, PRMTs on lo and hi gather their low and high bytes, and two more PRMTs interleave those into
 // 2 pairs (cb[i0], cb[i1]): 12 integer operations per 4 pairs, against 4 PRMTs and 4 table lookups.
+// (The range kernel decodes the blocks of TILED_K3_REG_MASK this way from M = TILED_K3_REG_MIN_M on.)
 using K3Regs = CodebookBytes<8>;
-// Which blocks of each 8-block item the K = 3 range kernel decodes in registers (bit kb: block kb): 4 of 8 from M = 4
-// on, none below (nineteenth session, docs/results/h200_slots_k3regs). More tokens load more distinct activations
-// through the L1 pipe that the lookups use, and the register decode relieves it. Speed against the table alone: H100
-// M = 4 0.98-1.08x, M = 8 1.03-1.07x, M = 12..16 1.03-1.15x where the range kernel runs, M = 17..32 (NT = 4, 8 warps;
-// twentieth session, docs/results/x_pred run 8) 1.01-1.12x; H200 M = 4 1.02-1.12x. At M = 2 0.97-1.01x (H100), at
-// M = 1 0.95-1.01x (H100) and 0.97-1.05x (H200). All 8 blocks was slower at M = 1 on both (0.87-0.94x): the integer
-// pipe then binds.
-constexpr int K3_REG_MIN_M = 4;
-constexpr int K3_REG_MASK = 0x0F;
 // the A operands of a block from its words w0, w1 (k3_block_words), as lookup_block<3> gives them
 __device__ __forceinline__ void decode_k3_regs(uint32_t w0, uint32_t w1, const K3Regs& cr, uint32_t (&A)[2][4]) {
 #pragma unroll
@@ -502,7 +484,7 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 #endif
 }
-// Programmatic dependent launch (launch_gemv, KBIT_PDL): the GEMVs are launched so that they may start while the
+// Programmatic dependent launch (launch_gemv): the GEMVs are launched so that they may start while the
 // kernel before them on the stream drains. Before pdl_wait a GEMV reads no memory, since that kernel may be writing
 // any of it (even the weights, as the tile kernel does): it sets up shared memory and asks bytes into L2 (a prefetch
 // cannot return stale data). pdl_launch_dependents lets the next GEMV be scheduled: its CTAs take an SM as this
@@ -606,38 +588,6 @@ template <> struct TiledScales<__half> {
   }
 };
 
-// experiment builds only: a per-warp timeline of the range GEMV's last launch (kbit_tiled_timeline): stamps 0..5
-// %globaltimer ns (its resolution is 256 ns on the H100), 6 and 7 the SM's clock64 at the epilogue's start and end,
-// 8..10 inside the storing warp's epilogue (its last tile's): the clock once the run is counted, once the partials are
-// summed, after the stores are issued (each read waits for the value it names)
-#ifdef KBIT_TILED_TIMELINE
-constexpr int TIMELINE_STAMPS = 11;
-__device__ unsigned long long g_timeline[256 * 32 * TIMELINE_STAMPS];  // [CTA][warp][stamp]
-__device__ __forceinline__ void record_stamp(int lane, int warp, int i, unsigned long long t) {
-  if (lane == 0 && blockIdx.x < 256 && warp < 32) g_timeline[(blockIdx.x * 32 + warp) * TIMELINE_STAMPS + i] = t;
-}
-__device__ __forceinline__ void stamp(int lane, int warp, int i, bool clock) {
-  unsigned long long t;
-  if (clock)
-    t = clock64();
-  else
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  record_stamp(lane, warp, i, t);
-}
-__device__ __forceinline__ void stamp_after(int lane, int warp, int i, uint32_t dep) {
-  unsigned long long t;
-  asm volatile("{\n .reg .u32 d;\n mov.u32 d, %1;\n mov.u64 %0, %%clock64;\n}" : "=l"(t) : "r"(dep));
-  record_stamp(lane, warp, i, t);
-}
-#define KBIT_STAMP(i) stamp(lane, warp, i, false)
-#define KBIT_CLOCK_STAMP(i) stamp(lane, warp, i, true)
-#define KBIT_CLOCK_STAMP_AFTER(i, dep) stamp_after(lane, warp, i, dep)
-#else
-#define KBIT_STAMP(i)
-#define KBIT_CLOCK_STAMP(i)
-#define KBIT_CLOCK_STAMP_AFTER(i, dep)
-#endif
-
 // one tile's 16 x 8 fragment of token tile nt (this lane's 4 values) times the tensor scale, plus bias, into y
 template <typename T>
 __device__ __forceinline__ void store_tile(T* y, const T* bias, int64_t out, int M, int64_t t, int nt, int lane,
@@ -690,7 +640,7 @@ struct TiledCta {
   }
 };
 
-// NT tiles of 8 tokens (M <= 8 NT); R3: the blocks that K = 3 decodes in registers (K3_REG_MASK or 0). NT = 1 loads an
+// NT tiles of 8 tokens (M <= 8 NT); R3: the blocks that K = 3 decodes in registers (TILED_K3_REG_MASK or 0). NT = 1 loads an
 // item's activations before waiting for its weights; NT > 1 loads one block's ahead (fewer registers): the first
 // block's before the wait, block kb + 1's while kb computes.
 template <typename T, int K, int NW, int S, int NT, int R3>
@@ -718,7 +668,6 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   unsigned char* win = cta.win;
   const int lane = cta.lane, warp = cta.warp, g = lane >> 2, q = lane & 3;
   const int64_t t0 = cta.t0, t1 = cta.t1;
-  KBIT_STAMP(0);
   const int IPT = in / 256;  // items per tile
   // item indices below are 32-bit and relative to the CTA's first item (a CTA holds far fewer than 2^31 items)
   const int n = (int)((t1 - t0) * IPT);  // the CTA's items
@@ -747,10 +696,10 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) xo[nt] = (uint32_t)min(8 * nt + g, M - 1) * (uint32_t)(in / 8) + q;
   // Lanes of tokens past M load no activations: their B columns hold zeros (their output columns are never stored), so
-  // less data passes the L1 pipe, which binds on the H200 (M = 1: a fourth of the lanes load). NT = 1 keeps the item's
-  // 8 blocks across items, so those lanes keep the zeros of the start; NT > 1 loads the next block as a select
-  // between the load and zeros, for K = 4 only: the selects made K = 2, 3 (which decode blocks in registers) and K = 5
-  // slower (twentieth session, docs/results/x_pred: H200, M = 1..4 1.00-1.14x; NT > 1, K = 4 1.00-1.14x in auto mode).
+  // less data passes the L1 pipe, which binds on the H200 (M = 1..4: 1.00-1.14x; M = 1: a fourth of the lanes load).
+  // NT = 1 keeps the item's 8 blocks across items, so those lanes keep the zeros of the start; NT > 1 loads the next
+  // block as a select between the load and zeros, for K = 4 only (1.00-1.14x): the selects make K = 2, 3 (which decode
+  // blocks in registers) and K = 5 slower.
   const bool xon = g < M;
   constexpr bool XSEL = NT > 1 && K == 4;
   // the first tile of this warp's range (its partial sums wait in shared memory until every warp is done)
@@ -768,7 +717,6 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
   K3Regs cr3{};
   if constexpr (K == 3 && R3 != 0) cr3 = codebook_bytes<T, 8>(cb_lane, TiledScales<T>::SUM_TABLE);
   __syncthreads();
-  KBIT_STAMP(1);
   const uint32_t cl = table_lane<K, true>(lane);
   // The partial sums of the first and last tile of each warp's range, for the epilogue: warp w2's at [w2][side][nt],
   // side 0 its first tile's, side 1 its last tile's; 16 bytes per lane, so one vector store and load each.
@@ -824,9 +772,6 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
     }
     const uint32_t bar = wbar + 8 * s, sl = ring_addr<TEND, L::ITEM>(warp * S + s);
     mbar_wait(bar, phase);
-#ifdef KBIT_TILED_TIMELINE
-    if (u == u0) KBIT_STAMP(2);
-#endif
     uint32_t w[L::WORDS];
     load_item_words<K>(sl, lane, w);
     const uint32_t sa = sl + L::ITEM_W;
@@ -848,7 +793,7 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       const uint32_t sg = kb < 4 ? a0 : a2, sh = kb < 4 ? a1 : a3;
       const int bb = kb & 3;
       uint32_t A[2][4];
-      if (K == 2 && kb < K2_REG_BLOCKS) {  // some blocks decoded in registers (K2Regs, K3Regs)
+      if (K == 2 && kb < TILED_K2_REG_BLOCKS) {  // some blocks decoded in registers (K2Regs, K3Regs)
         decode_k2_regs(w[kb], cr, A);
       } else if (K == 3 && ((R3 >> kb) & 1)) {
         uint32_t w0, w1;
@@ -880,26 +825,19 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
       }
     }
   }
-  KBIT_STAMP(3);
   // The last tile's partial: side 1, or side 0 when the range lies in one tile. A warp without items writes zeros
   // at side 0 (cur == tf == -1), so the warps adding to a tile are a contiguous run.
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) sts128_at(red_at(warp, cur == tf ? 0 : 1, nt), acc[nt]);
   __syncthreads();
-  KBIT_STAMP(4);
-  KBIT_CLOCK_STAMP(6);
   // Boundary tiles: the warp whose range holds a tile's first item stores it (its first tile if its range starts
   // there, and its last tile when that is not its first), adding the first-tile partials of the later warps whose
   // ranges start inside the tile, in warp order: deterministic, no atomics. This runs once, after the loop, on the
   // critical path of the last CTAs, so it is kept short: no loops over warps to find the run (lane l holds warp l's
-  // first item, a ballot counts the run) and one vector load per partial (per-warp timeline, sixteenth session: the
-  // loops of the earlier version took 1100-1800 cycles for the storing warp, up to 2660, and about 600 for the others
-  // at the end of 4096x4096 and 14336x4096; now 670-770 and 66).
-  if (u0 >= u1 || (u0 != tf * IPT && cur == tf)) {  // no items, or no tile whose first item is in the range
-    KBIT_CLOCK_STAMP(7);
-    KBIT_STAMP(5);
-    return;
-  }
+  // first item, a ballot counts the run) and one vector load per partial (with loops over the warps the storing warp
+  // spends 1100-1800 cycles here at the end of 4096x4096 and 14336x4096, the others about 600; this way 670-770 and
+  // 66).
+  if (u0 >= u1 || (u0 != tf * IPT && cur == tf)) return;  // no items, or no tile whose first item is in the range
   const int rb_lane = range_begin(lane < NW ? lane : NW);  // warp lane's first item (lane NW: the CTA's end)
 #pragma unroll 1
   for (int side = 0; side < 2; ++side) {
@@ -907,7 +845,6 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
     if (side == 1 && cur == tf) break;
     if (side == 0 && u0 != tf * IPT) continue;  // an earlier warp's range holds the tile's first item
     const int nlater = __popc(__ballot_sync(0xFFFFFFFFu, lane > warp && lane < NW && rb_lane < (t + 1) * IPT));
-    KBIT_CLOCK_STAMP_AFTER(8, (uint32_t)nlater);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       float4 sum = lds_f4_if(red_at(warp, side, nt), true);
@@ -921,40 +858,34 @@ __global__ void __launch_bounds__(NW * 32, 1) gemv_tiled_kernel(const T* __restr
         sum.w += p.w;
       }
       const float vv[4] = {sum.x, sum.y, sum.z, sum.w};
-      KBIT_CLOCK_STAMP_AFTER(9, __float_as_uint(sum.x + sum.y + sum.z + sum.w));
       store_tile<T>(y, bias, out, M, t0 + t, nt, lane, sc, vv, TiledScales<T>::SUM_POST);
-      KBIT_CLOCK_STAMP(10);
     }
   }
-  KBIT_CLOCK_STAMP(7);
-  KBIT_STAMP(5);
 }
 
-// Batched decode on layers of many tiles (gemv_tiled_batch_kernel; docs/kernels_history.md, tenth session). In
+// Batched decode on layers of many tiles (gemv_tiled_batch_kernel). In
 // gemv_tiled_kernel each warp loads each item's activations itself (NT 16-byte loads per lane and block) at its own k:
 // at M = 32..64 that is 8..16 times the weight bytes per item, from L2. Here the warps walk k in lockstep: per step v,
-// two producer warps (one at NT = 2: batch_producers) fill a stage of the shared ring, one with columns 256 v .. 256 v
+// two producer warps (one at NT = 2: tiled_batch_producers) fill a stage of the shared ring, one with columns 256 v .. 256 v
 // + 255 of every token (cp.async, 16 bytes a lane, rows of 576 bytes: 512 + 64 keep the consumers' 16-byte reads
-// conflict-free), the other with item v of each active tile (bulk copies; one warp issuing both left the consumers
-// waiting for full stages in 29-33% of the kernel's stall samples, twenty-third session). NW consumer warps each own
+// conflict-free), the other with item v of each active tile (bulk copies; with one warp issuing both, the consumers
+// wait for full stages in 29-33% of the kernel's stall samples). NW consumer warps each own
 // one tile for the whole k range (rounds of NW tiles) and read the shared activations, and each warp stores its tile.
 // Where the CTAs have few tiles (SPLIT > 1, gemv_tiled_batch_split) SPLIT warps share a tile, each decoding 8 / SPLIT
 // of every item's 8 blocks (a chunk or a block pair), and after the k range the first adds the others' partial sums in
 // order (shared memory, a barrier of the consumer warps; rounds of NW / SPLIT tiles). A stage: [NT * 8 token rows] [NW
 // items' weights] [NW items' scales]; full barrier: the expect_tx arrival of the items' producer and the 32 lanes'
 // cp.async arrivals of the activations' producer; empty barrier: the NW consumer warps. K = 5 uses its 64 KB table of
-// 16 replicas here (table_end): with the 128 KB one only 4 consumer warps' stages fit, which ran 1.05-1.54x slower
-// (docs/results/tiled_k5, run 3).
-// KS = 2 (layers of <= 4 tiles per SM, gemv_tiled_launch): the CTAs form clusters of KS, a cluster owns the tiles that
+// 16 replicas here (table_end): with the 128 KB one only 4 consumer warps' stages fit, which are 1.05-1.54x slower.
+// KS = 2 (layers of <= 4 tiles per SM, tiled_k_split): the CTAs form clusters of KS, a cluster owns the tiles that
 // one CTA would own, and CTA rank c of it takes items [c IPT / KS, (c + 1) IPT / KS) of each. Each CTA then copies
 // half the activations through its stages for twice the tiles: with one CTA per owner, a layer of 1..2 tiles per SM
 // copied M x 512 bytes of activations per step next to 2 items of weights, and one of 3..4 left half the consumer
 // warps without a tile. After each round the CTAs of ranks > 0 leave their tiles' sums in shared memory and rank 0
 // adds them in rank order (distributed shared memory, between two cluster barriers; deterministic) and stores the
-// tiles. Every thread, producers too, takes part in the cluster barriers. (Clusters of 4 measured slower: only 30 fit
-// on the H100's 132 SMs, twenty-fourth session.)
+// tiles. Every thread, producers too, takes part in the cluster barriers.
 template <typename T, int K, int NW, int XS, int NT, int SPLIT, int KS>
-__global__ void __launch_bounds__((NW + batch_producers<NT>()) * 32, 1)
+__global__ void __launch_bounds__((NW + tiled_batch_producers(NT)) * 32, 1)
     gemv_tiled_batch_kernel(const T* __restrict__ x, int M, const uint8_t* __restrict__ wt,
                             const uint8_t* __restrict__ at, const float* __restrict__ scale,
                             const float* __restrict__ codebook, const T* __restrict__ bias, int64_t out, int in,
@@ -988,7 +919,7 @@ __global__ void __launch_bounds__((NW + batch_producers<NT>()) * 32, 1)
   }
   pdl_wait();  // every load below: the kernel before has finished
   const float sc = __ldg(scale);
-  constexpr int NP = batch_producers<NT>();
+  constexpr int NP = tiled_batch_producers(NT);
   build_pair_table<T, K, false, (NW + NP) * 32>(win, codebook_lane<K>(codebook, lane), TiledScales<T>::A_TABLE);
   __syncthreads();
   const int steps = rounds * (v1 - v0);
@@ -1016,7 +947,7 @@ __global__ void __launch_bounds__((NW + batch_producers<NT>()) * 32, 1)
         bulk_copy(st + XB + NW * L::ITEM_W + lane * ITEM_A, at + item * ITEM_A, ITEM_A, FULL + 8 * s);
       }
     };
-    if constexpr (KS == 1) {  // the flat loop the one-CTA kernel had (its sm_90 SASS unchanged, as measured)
+    if constexpr (KS == 1) {  // one flat loop over the steps
       int r = 0, v = 0;
       for (int j = 0; j < steps; ++j) {
         fill(j, r, v);
@@ -1151,7 +1082,7 @@ __global__ void __launch_bounds__((NW + batch_producers<NT>()) * 32, 1)
   }
 }
 
-// Where an index sits in the layout (format.py, "The tiled layout"): byte B = 2 K b + K h + 2 m + rh (b < 4, h < 2,
+// Where an index sits in the layout (kbit_hf/backends/cuda/tiled.py): byte B = 2 K b + K h + 2 m + rh (b < 4, h < 2,
 // m < K / 2, rh < 2) of lane l = 4 g + q's 8 K bytes of chunk c holds the 8 / K indices of row 16 t + g + 8 rh from
 // element 32 b + 8 q + 4 h + (8 / K) m of the chunk on, index i at bits K i. K = 5: byte B of the lane's first 32 is
 // K = 4's byte B of the low nibbles (TiledByte<4>); the high bits follow (k5_high_bit).
@@ -1312,11 +1243,10 @@ __global__ void untile_kernel(const uint8_t* __restrict__ wt, const uint8_t* __r
 
 // tiled -> dense weights in TO, bitwise the values of dequant_kernel ((cb * d) * scale in fp32, one rounding): one
 // thread per (tile, chunk, lane, block), i.e. 8 consecutive elements of two rows (2 K bytes)
-// 16-bit outputs: 8 blocks of 256 threads per SM (32 registers, with the pairs packed as they are made; 40 registers
-// and 6 blocks before; sm_86 / sm_89 hold 1536 threads per SM, so 6 there). H200 (twenty-second session,
-// docs/results/batch_split runs 1, 4, 7, six readings each): K = 2, 3 80.4-82.2% of copy -> 83.2-86.0%, K = 5
-// 82.1-83.8% -> 82.6-86.5%, K = 4 (and its grid below) 85.2-86.9% -> 86.5-88.7%; H100 unchanged (86.3-90.7%). The
-// early packing alone (6 blocks) was slower: 76.7-82.3%.
+// 16-bit outputs: 8 blocks of 256 threads per SM (32 registers, the pairs packed as they are made; sm_86 / sm_89 hold
+// 1536 threads per SM, so 6 there). Against 6 blocks of 40 registers, on the H200: K = 2, 3 83.2-86.0% of copy
+// instead of 80.4-82.2%, K = 4 86.5-88.7% instead of 85.2-86.9%, K = 5 82.6-86.5% instead of 82.1-83.8%; H100 the
+// same (86.3-90.7%).
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 870 || __CUDA_ARCH__ == 890)
 constexpr int DQT_BLOCKS_PER_SM = 6;
 #else
@@ -1422,17 +1352,8 @@ bool tiled_shape(int64_t out, int64_t in) {
   return out > 0 && in > 0 && out % 16 == 0 && in % 256 == 0 && in < (1 << 30);
 }
 
-// KBIT_PDL=0 launches the tiled GEMVs without programmatic stream serialization (read once per process)
-bool pdl_enabled() {
-  static const bool on = [] {
-    const char* v = getenv("KBIT_PDL");
-    return v == nullptr || v[0] != '0';
-  }();
-  return on;
-}
-
-// Launches a tiled GEMV with programmatic stream serialization (pdl_wait above), unless KBIT_PDL=0: it may then start
-// while the kernel before it drains. Both GEMVs are persistent, one CTA per SM, so an early start only takes SMs that
+// Launches a tiled GEMV with programmatic stream serialization (pdl_wait above): it may start while the kernel before
+// it drains. Both GEMVs are persistent, one CTA per SM, so an early start only takes SMs that
 // the kernel before has left.
 // cluster > 1: in clusters of that many CTAs (the batched kernel's k split). gemv_config: the launch configuration
 // (pdl: with programmatic stream serialization), its attributes in attr.
@@ -1460,7 +1381,7 @@ template <typename Kernel, typename... Args>
 int launch_gemv(Kernel kernel, unsigned grid, unsigned threads, int dyn, cudaStream_t st, unsigned cluster,
                 Args... args) {
   cudaLaunchAttribute attr[2];
-  const cudaLaunchConfig_t cfg = gemv_config(grid, threads, dyn, st, cluster, pdl_enabled(), attr);
+  const cudaLaunchConfig_t cfg = gemv_config(grid, threads, dyn, st, cluster, true, attr);
   return (int)cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
@@ -1480,7 +1401,7 @@ int gemv_tiled_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const
                      cb, bias, out, (int)in, y);
 }
 
-// The batched kernel's launch: NW consumer warps and batch_producers producer warps, XS stages, SPLIT consumer warps
+// The batched kernel's launch: NW consumer warps and tiled_batch_producers producer warps, XS stages, SPLIT consumer warps
 // per tile, grid CTAs in clusters of KS (batch_owners).
 template <typename T, int K, int NW, int XS, int NT, int SPLIT, int KS>
 int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
@@ -1494,7 +1415,7 @@ int gemv_tiled_batch_go(const T* x, int M, const uint8_t* wt, const uint8_t* at,
     if (e != cudaSuccess) return (int)e;
     attr_set[dev] = true;
   }
-  return launch_gemv(gemv_tiled_batch_kernel<T, K, NW, XS, NT, SPLIT, KS>, grid, (NW + batch_producers<NT>()) * 32,
+  return launch_gemv(gemv_tiled_batch_kernel<T, K, NW, XS, NT, SPLIT, KS>, grid, (NW + tiled_batch_producers(NT)) * 32,
                      (int)dyn, st, (unsigned)KS, x, M, wt, at, scale, cb, bias, out, (int)in, y);
 }
 // The batched kernel's tile owners: KS = 1 a CTA per SM; else the clusters of KS CTAs that fit at once
@@ -1510,7 +1431,7 @@ int batch_owners(int dev, int sms, int& rc) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn);
     cudaLaunchAttribute attr[2];
     const cudaLaunchConfig_t cfg =
-        gemv_config(KS * sms, (NW + batch_producers<NT>()) * 32, (int)dyn, nullptr, KS, false, attr);
+        gemv_config(KS * sms, (NW + tiled_batch_producers(NT)) * 32, (int)dyn, nullptr, KS, false, attr);
     int n = 0;
     if (e == cudaSuccess) e = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg);
     if (e != cudaSuccess || n < 1) {
@@ -1521,14 +1442,7 @@ int batch_owners(int dev, int sms, int& rc) {
   }
   return owners[dev];
 }
-// SPLIT warps per tile where the tile owners (CTAs, or with KS = 2 clusters) have too few tiles for their NW consumer
-// warps. KS = 1: 4 where the busiest has at most NW / 4 tiles, and for K = 5 at NT = 8 2 where it has at most NW / 2
-// (8192x8192, 6144x4096), else 1. Forced (twenty-second session, docs/results/batch_split runs 2-4), against 1: SPLIT
-// = 4 1.00-1.39x on 4096x4096 (M = 9..40, both GPUs) and 1.04-1.47x on 4096x14336 (M = 9..64, H100); SPLIT = 2 for
-// K = 5 at M = 33..64 1.08-1.22x (both GPUs), but for K = 2..4 0.94-1.01x there and for K = 5 at M <= 32 0.92-0.97x
-// (H100). KS = 2: 2 where a cluster has at most NW / 2 tiles (4096x14336, 4096x11008, 4096x4096) for K = 2..4 from
-// NT = 4 on (against 1 at M >= 17: 0.96-1.15x, at M <= 16 0.95-1.02x; K = 5 0.91-1.06x; twenty-fourth session,
-// docs/results/ksplit runs 4, 5). split > 0 forces one (tests).
+// SPLIT warps per tile: tiled_batch_split's choice for the busiest tile owner, or split > 0 (forced: tests).
 template <typename T, int K, int NW, int XS, int NT, int KS>
 int gemv_tiled_batch_split(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                            const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, int split,
@@ -1538,10 +1452,7 @@ int gemv_tiled_batch_split(const T* x, int M, const uint8_t* wt, const uint8_t* 
   if (owners == 0) return rc;
   const unsigned grid = (unsigned)(KS * owners);
   const int64_t most = (out / 16 + owners - 1) / owners;  // tiles of the busiest owner (TiledCta: an even split)
-  if (split == 0)
-    split = 4 * most <= NW                                                     ? 4
-            : 2 * most <= NW && (KS == 1 ? K == 5 && NT == 8 : K < 5 && NT > 2) ? 2
-                                                                                : 1;
+  if (split == 0) split = tiled_batch_split(K, NT, KS, NW, most);
   if (split == 4)
     return gemv_tiled_batch_go<T, K, NW, XS, NT, 4, KS>(x, M, wt, at, scale, cb, bias, out, in, y, dev, grid, st);
   if (split == 2)
@@ -1549,25 +1460,32 @@ int gemv_tiled_batch_split(const T* x, int M, const uint8_t* wt, const uint8_t* 
   return gemv_tiled_batch_go<T, K, NW, XS, NT, 1, KS>(x, M, wt, at, scale, cb, bias, out, in, y, dev, grid, st);
 }
 // ks = 2: the k range split over clusters of 2 CTAs (gemv_tiled_batch_kernel)
-template <typename T, int K, int NW, int XS, int NT>
+template <typename T, int K, int NT>
 int gemv_tiled_batch_ks(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                         const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, int split, int ks,
                         cudaStream_t st) {
+  constexpr int NW = TILED_BATCH_WARPS, XS = tiled_batch_stages(NT);
   if (ks == 2)
     return gemv_tiled_batch_split<T, K, NW, XS, NT, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, st);
   return gemv_tiled_batch_split<T, K, NW, XS, NT, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, st);
 }
+// The range kernel at NT token tiles (M <= 8 NT <= 32): tiled_range_warps warps of TILED_RANGE_SLOTS ring slots; K = 3
+// decodes the blocks of TILED_K3_REG_MASK in registers from M = TILED_K3_REG_MIN_M on (so at NT > 1 always).
+template <typename T, int K, int NT>
+int gemv_tiled_range(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
+                     const T* bias, int64_t out, int64_t in, T* y, int dev, int sms, cudaStream_t st) {
+  constexpr int NW = tiled_range_warps(NT), S = TILED_RANGE_SLOTS, R3 = K == 3 ? TILED_K3_REG_MASK : 0;
+  static_assert(NT == 1 || TILED_K3_REG_MIN_M <= 9, "NT > 1 (M >= 9) decodes K = 3 in registers unconditionally");
+  if constexpr (NT == 1) {
+    if (M < TILED_K3_REG_MIN_M)
+      return gemv_tiled_go<T, K, NW, S, NT, 0>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+  }
+  return gemv_tiled_go<T, K, NW, S, NT, R3>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+}
 
-// Which kernel, by the H100 measurements of docs/kernels_history.md (tenth to twenty-fourth sessions). M <= 8:
-// gemv_tiled_kernel, 16 warps of one slot each (at steady state its K = 4 reads run at the copy bandwidth; more slots,
-// or for K = 2 two items per bulk copy, measured slower or even, also on small layers). M = 9..64: the batched kernel
-// (in clusters of 2 CTAs on layers of <= 4 tiles per SM) where the tile owners have tiles to give their warps (>= 2 per
-// SM, and on 1..2 tiles per SM from the M below), except at the smallest M on layers of many items per warp, where the
-// range kernel's two token tiles share each lookup (the rule and its figures in gemv_tiled_launch; the earlier rules,
-// measured against the batched kernel with one producer warp, in kernels_history.md, tenth to twenty-second sessions).
-// Otherwise the range kernel: 16 warps for M <= 16, 8 for M <= 32 (their accumulators need the registers), and launches
-// of 32 tokens above. kernel: KBIT_TILED_AUTO, or KBIT_TILED_RANGE / KBIT_TILED_BATCH* (+ KBIT_TILED_KS2) to force one
-// (tests).
+// The tiled GEMV. kernel: KBIT_TILED_AUTO, the library's choice (tiled_batch, tiled_k_split, tiled_batch_split), or
+// KBIT_TILED_RANGE / KBIT_TILED_BATCH* (+ KBIT_TILED_KS2) to force one (kbit_gemv_tiled_kernel: tests, benchmarks).
+// The range kernel runs launches of at most TILED_RANGE_MAX_M tokens.
 template <typename T, int K>
 int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                       const T* bias, int64_t out, int64_t in, T* y, int kernel, cudaStream_t st) {
@@ -1576,54 +1494,30 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
     return (int)cudaErrorInvalidDevice;
   if (major < 9) return (int)cudaErrorNotSupported;
   const int64_t tiles = out / 16;
-  const int64_t items_per_warp = tiles * (in / 256) / (16 * (int64_t)sms);
-  // the batched kernel's consumer-warp turns: 8 per SM and round of tiles (tiles / turns: the share that has a tile)
-  const int64_t turns = 8 * (int64_t)sms * ((tiles + 8 * sms - 1) / (8 * sms));
-  const bool half_idle = 2 * tiles <= turns, quarter_idle = 4 * tiles < 3 * turns;
-  const bool many = items_per_warp >= 24;
-  const bool range_first =
-      K <= 3 ? M <= 15
-             : (M <= 14 && (many || (half_idle && items_per_warp >= 4))) ||
-                   (M <= 10 && quarter_idle && !(K == 5 && items_per_warp < 4)) || (M <= 16 && half_idle && many);
-  // 1..2 tiles per SM, where the batched kernel splits the k range over clusters of 2 CTAs (below) and gives each tile
-  // 2 or 4 warps (gemv_tiled_batch_split). Twenty-fourth session (docs/results/ksplit runs 4, 5, H100, against the
-  // range kernel): on 4096x14336 and 4096x11008 from M = 17 (1.09-1.29x at 17; at 16 K = 2, 3 0.86-0.93x, K = 4
-  // 1.02-1.03x) and for K = 5 from 16 (1.14-1.17x); on small layers (< 2 items per warp: 4096x4096) K = 3 from 16
-  // (1.15-1.20x), K = 4 from 11 (1.10-1.13x at 12; 0.99-1.00x at 9) and K = 5 at every M (1.04-1.06x at 9). K = 2 (its
-  // 4096x4096 keeps the bit planes) from M = 41 as the twenty-third session measured it against one CTA per owner
-  // (docs/results/producers run 8).
-  const bool small = items_per_warp < 2;
-  const bool batch_mid = tiles >= sms && (small ? (K == 2 ? M > 40 : K == 3 ? M > 15 : K == 4 ? M > 10 : true)
-                                                : M > (K == 5 ? 15 : 16));
-  // the k split: forced (KBIT_TILED_KS2), or in auto mode over clusters of 2 CTAs on layers of <= 4 tiles per SM (one
-  // round of <= 8 tiles per cluster; twenty-fourth session, docs/results/ksplit runs 4, 5, H100, at M >= 17 against one
-  // CTA per owner: 1.01-1.42x on 4096x14336, 4096x11008, 5120x13824, 5120x5120, 8192x8192, 8192x28672 and 4096x4096
-  // (K = 3..5); 1.00-1.06x on 6144x4096 and 0.99-1.12x on 7168x4096; 0.77-0.92x on 14336x4096, 7 tiles per SM)
   const int base = kernel & 7;
-  const int ks = kernel == KBIT_TILED_AUTO ? (tiles <= 4 * (int64_t)sms ? 2 : 1) : kernel & KBIT_TILED_KS2 ? 2 : 1;
-  const bool batch = base >= KBIT_TILED_BATCH ||
-                     (kernel == KBIT_TILED_AUTO && M > 8 && !range_first && (tiles >= 2 * sms || batch_mid));
+  const bool batch = kernel == KBIT_TILED_AUTO ? tiled_batch(K, M, tiles, in, sms) : base >= KBIT_TILED_BATCH;
   if (batch) {
+    const int ks = kernel == KBIT_TILED_AUTO ? tiled_k_split(tiles, sms) : kernel & KBIT_TILED_KS2 ? 2 : 1;
     const int split = base == KBIT_TILED_BATCH1   ? 1
                       : base == KBIT_TILED_BATCH2 ? 2
                       : base == KBIT_TILED_BATCH4 ? 4
-                                                  : 0;  // 0: gemv_tiled_batch_split's choice
-    if (M <= 16)
-      return gemv_tiled_batch_ks<T, K, 8, 4, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, ks, st);
-    if (M <= 32)
-      return gemv_tiled_batch_ks<T, K, 8, 3, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, ks, st);
-    return gemv_tiled_batch_ks<T, K, 8, 2, 8>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, ks, st);
+                                                  : 0;  // 0: tiled_batch_split's choice
+    switch (tiled_batch_token_tiles(M)) {
+      case 2: return gemv_tiled_batch_ks<T, K, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, ks, st);
+      case 4: return gemv_tiled_batch_ks<T, K, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, ks, st);
+      default: return gemv_tiled_batch_ks<T, K, 8>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, split, ks, st);
+    }
   }
-  // K3Regs: K = 3 decodes some blocks in registers from M = K3_REG_MIN_M on, so at NT > 1 (M >= 9) always
-  constexpr int R3 = K == 3 ? K3_REG_MASK : 0;
-  if (M <= 8)
-    return (M >= K3_REG_MIN_M ? gemv_tiled_go<T, K, 16, 1, 1, R3> : gemv_tiled_go<T, K, 16, 1, 1, 0>)(
-        x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-  if (M <= 16) return gemv_tiled_go<T, K, 16, 1, 2, R3>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-  if (M <= 32) return gemv_tiled_go<T, K, 8, 1, 4, R3>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
-  for (int m0 = 0; m0 < M; m0 += 32) {
-    const int rc = gemv_tiled_launch<T, K>(x + m0 * in, M - m0 < 32 ? M - m0 : 32, wt, at, scale, cb, bias, out, in,
-                                           y + m0 * out, KBIT_TILED_RANGE, st);
+  switch (token_tiles(M)) {
+    case 1: return gemv_tiled_range<T, K, 1>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+    case 2: return gemv_tiled_range<T, K, 2>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+    case 4: return gemv_tiled_range<T, K, 4>(x, M, wt, at, scale, cb, bias, out, in, y, dev, sms, st);
+    default: break;
+  }
+  for (int m0 = 0; m0 < M; m0 += TILED_RANGE_MAX_M) {
+    const int m = M - m0 < TILED_RANGE_MAX_M ? M - m0 : TILED_RANGE_MAX_M;
+    const int rc = gemv_tiled_launch<T, K>(x + m0 * in, m, wt, at, scale, cb, bias, out, in, y + m0 * out,
+                                           KBIT_TILED_RANGE, st);
     if (rc != 0) return rc;
   }
   return 0;
@@ -1632,12 +1526,7 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
 template <int K, typename TO>
 int dequantize_tiled_go(const void* wt, const void* at, const float* scale, const float* codebook, int64_t out,
                         int64_t in, void* y, cudaStream_t st) {
-  // up to 64 blocks per SM (K = 4: 128), grid-stride beyond (grid_for_threads' 16: H100 84-86% of copy -> 88-90%,
-  // H200 78-83% -> 82-87%; 128: H100 88-92%, H200 76-84%; twenty-first session, docs/results/dq_stream runs 4-8, 11).
-  // With 8 blocks per SM resident (the kernel's launch bounds), 128 on the H200: K = 4 88.3-88.7% against 83.3-86.1%,
-  // K = 2, 3, 5 81.1-84.1% against 82.6-85.1% (twenty-second session, docs/results/batch_split run 1)
-  const int cap = K == 4 ? 128 : 64;
-  dequant_tiled_kernel<K, TO><<<grid_for_threads(out * in / 16, 256, cap), 256, 0, st>>>(
+  dequant_tiled_kernel<K, TO><<<grid_for_threads(out * in / 16, 256, dequant_tiled_blocks_per_sm(K)), 256, 0, st>>>(
       (const uint8_t*)wt, (const uint8_t*)at, scale, codebook, out, (int)in, (TO*)y);
   return (int)cudaGetLastError();
 }
@@ -1696,16 +1585,9 @@ KBIT_API int kbit_dequantize_tiled(const void* wt, const void* at, const float* 
   });
 }
 
-#ifdef KBIT_TILED_TIMELINE
-KBIT_API int kbit_tiled_timeline(unsigned long long* host, int n) {
-  const int count = n < 256 * 32 * TIMELINE_STAMPS ? n : 256 * 32 * TIMELINE_STAMPS;
-  return (int)cudaMemcpyFromSymbol(host, g_timeline, sizeof(unsigned long long) * count);
-}
-#endif
-
-KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at, const float* scale,
-                             const float* codebook, int k, int64_t out, int64_t in, const void* bias, void* y,
-                             int kernel, void* stream) {
+KBIT_API int kbit_gemv_tiled_kernel(const void* x, int x_dtype, int64_t M, const void* wt, const void* at,
+                                    const float* scale, const float* codebook, int k, int64_t out, int64_t in,
+                                    const void* bias, void* y, int kernel, void* stream) {
   const int base = kernel & 7, ks = kernel >> 3;
   if (!tiled_shape(out, in) || M < 1 || M > 64 || kernel < 0 || base > KBIT_TILED_BATCH4 || ks > 1 ||
       (ks > 0 && base < KBIT_TILED_BATCH))
@@ -1722,6 +1604,12 @@ KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* 
                                           in, (__half*)y, kernel, st);
     return (int)cudaErrorInvalidValue;
   });
+}
+
+KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at, const float* scale,
+                             const float* codebook, int k, int64_t out, int64_t in, const void* bias, void* y,
+                             void* stream) {
+  return kbit_gemv_tiled_kernel(x, x_dtype, M, wt, at, scale, codebook, k, out, in, bias, y, KBIT_TILED_AUTO, stream);
 }
 
 }  // extern "C"

@@ -1,8 +1,10 @@
-// Host self-test of the v6 GEMV register decode (decode_reg against a direct codebook lookup, K = 2..4, random
-// planes and codebooks) and of the KBIT_GEMV_CFG parser. No GPU needed:
-//   nvcc -std=c++17 --expt-relaxed-constexpr -arch=sm_80 -Icsrc -o /tmp/gemv_selftest tests/host/gemv_host_selftest.cu && /tmp/gemv_selftest
+// Host self-test, no GPU: the bit-plane GEMV's register decode (decode_reg against a direct codebook lookup, K = 2..4,
+// random planes and codebooks) and the launch-shape limits that kbit_dispatch.h's rules must respect. Built and run by
+// tests/test_host_kernels.py:
+//   nvcc -std=c++17 --expt-relaxed-constexpr -arch=sm_80 -Icsrc -o /tmp/gemv_selftest <this file> && /tmp/gemv_selftest
 #include "../../csrc/kbit_gemv.cu"
 #include <cstdio>
+#include <initializer_list>
 #include <random>
 
 int main() {
@@ -28,14 +30,42 @@ int main() {
   }
   printf("decode_reg: %d mismatches\n", bad);
 
+  // launch shapes the kernels can take: token tiles cover M, CTAs within the launch bounds and the shared memory
   int bad2 = 0;
-  auto chk = [&](const char* s, int c2, int c3, int c4) {
-    GemvCfg c = parse_gemv_cfg(s);
-    if (c.code[2] != c2 || c.code[3] != c3 || c.code[4] != c4) { printf("FAIL %s: %d %d %d\n", s ? s : "null", c.code[2], c.code[3], c.code[4]); ++bad2; }
+  auto check = [&](bool ok, const char* what, long long a, long long b) {
+    if (!ok && bad2++ < 5) printf("FAIL %s (%lld, %lld)\n", what, a, b);
   };
-  chk(nullptr, -1, -1, -1); chk("", -1, -1, -1); chk("*=r96", 1096, 1096, 1096); chk("*=h80", 2080, 2080, 2080);
-  chk("2=r80,3=r96,4=h96", 1080, 1096, 2096); chk("4=t", -1, -1, 0); chk("*=r128,4=h128", 1128, 1128, 2128);
-  chk("*=r100", -1, -1, -1); chk("5=r80", -1, -1, -1);
-  printf("parse_gemv_cfg: %d failures\n", bad2);
+  for (int M = 1; M <= GEMV_MAX_M; ++M) {
+    check(8 * token_tiles(M) >= M && (M <= 8 || 4 * token_tiles(M) < M), "token_tiles", M, token_tiles(M));
+    check(M <= 8 || 8 * tiled_batch_token_tiles(M) >= M, "tiled_batch_token_tiles", M, tiled_batch_token_tiles(M));
+  }
+  for (int NT : {2, 4, 8}) {
+    for (int K = 2; K <= 5; ++K) check(NT != 8 || gemv_decode_mode(K, NT) == 0, "decode mode at NT = 8", K, NT);
+    for (int sms : {1, 8, 78, 108, 132, 144, 170})
+      for (long long out = 16; out <= (1 << 20); out = out * 3 / 2 + 16) {
+        const GemvTokenCta c = gemv_token_cta(out, NT, sms);
+        check(c.rw * c.kw <= GEMV_MAX_WARPS && c.kw * NT <= GEMV_MAX_KW_NT && c.kw >= 1, "gemv_token_cta", out, sms);
+      }
+  }
+  check(gemv_decode_mode(5, 1) == 0, "K = 5 decodes through the table", 5, 1);
+  for (int sms : {1, 8, 132})
+    for (long long ctas = 1; ctas < 100000; ctas = ctas * 2 + 1)
+      for (long long nb = 1; nb < 5000; nb *= 3) {
+        const int w1 = gemv_warps(false, ctas, nb, sms), w2 = gemv_warps(true, ctas, nb, sms);
+        check((w1 == 4 || w1 == 8) && (w2 == 4 || w2 == 8), "gemv_warps", ctas, nb);
+      }
+  for (int K = 2; K <= 5; ++K)
+    for (int M = 1; M <= GEMV_MAX_M; ++M)
+      for (int sms : {1, 132})
+        for (long long tiles : {1LL, 64LL, 256LL, 1024LL, 8192LL})
+          check(M > 8 || !tiled_batch(K, M, tiles, 4096, sms), "M <= 8 runs the range kernel", K, M);
+  for (int K = 2; K <= 5; ++K)
+    for (int NT : {2, 4, 8})
+      for (int KS = 1; KS <= 2; ++KS)
+        for (long long most = 1; most <= 16; ++most) {
+          const int s = tiled_batch_split(K, NT, KS, TILED_BATCH_WARPS, most);
+          check((s == 1 || s == 2 || s == 4) && TILED_BATCH_WARPS % s == 0, "tiled_batch_split", most, s);
+        }
+  printf("dispatch: %d failures\n", bad2);
   return (bad != 0) || (bad2 != 0);
 }
