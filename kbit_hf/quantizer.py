@@ -238,6 +238,10 @@ class KbitHfQuantizer(HfQuantizer):
         return model
 
 
+# how safetensors headers name the dtypes of the kbit tensors
+_SAFETENSORS_DTYPE = {torch.uint32: "U32", torch.uint8: "U8", torch.float16: "F16", torch.float32: "F32"}
+
+
 def _check_checkpoint_dtypes(checkpoint_files, absmax_format: str) -> None:
     """The stored dtypes of the kbit tensors, from the safetensors headers (no data read). transformers casts each
     checkpoint tensor to its parameter's dtype while loading, so a packed weight stored as float32, or e4m4 scales
@@ -249,12 +253,13 @@ def _check_checkpoint_dtypes(checkpoint_files, absmax_format: str) -> None:
         if str(path).endswith(".safetensors"):
             with safe_open(str(path), framework="pt") as f:
                 stored.update({key: (f.get_slice(key).get_dtype(), str(path)) for key in f.keys()})
-    absmax_dtype = {"e4m4": "U8", "fp16": "F16"}[absmax_format]
+    absmax_dtype = _SAFETENSORS_DTYPE[fmt.ABSMAX_DTYPES[absmax_format]]
     for key in stored:
         if key + "_absmax" not in stored:
             continue
-        for name, want in ((key, "U32"), (key + "_absmax", absmax_dtype), (key + "_scale", "F32"),
-                           (key + "_codebook", "F32")):
+        for name, want in ((key, _SAFETENSORS_DTYPE[torch.uint32]), (key + "_absmax", absmax_dtype),
+                           (key + "_scale", _SAFETENSORS_DTYPE[torch.float32]),
+                           (key + "_codebook", _SAFETENSORS_DTYPE[torch.float32])):
             if name in stored and stored[name][0] != want:
                 raise ValueError(f"kbit checkpoint {stored[name][1]}: {name} is stored as {stored[name][0]}, the "
                                  f"format needs {want} (absmax_format={absmax_format!r})")

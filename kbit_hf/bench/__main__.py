@@ -1,7 +1,11 @@
-"""python -m kbit_hf.bench <subcommand>
+"""kbit-bench (or python -m kbit_hf.bench) <subcommand>
 
-  kernels   kbit dequantize / fused GEMV (K = 2..5) against bf16 cuBLAS, tinygemm int4 (aten._weight_int4pack_mm,
-            group 32) and bitsandbytes NF4 (when importable), in microseconds and % of measured copy bandwidth.
+  kernels   per-layer kernel times: kbit dequantize and fused GEMV (K = 2..5) against bf16 cuBLAS, torch's int4
+            tinygemm (group 32) and bitsandbytes NF4 (when importable), in microseconds and % of copy bandwidth
+  generate  end-to-end `generate`: load time, memory, time to first token, prefill and decode tokens/s, eager and
+            static cache, on named model shapes (random weights) or a local checkpoint, against bf16,
+            bitsandbytes NF4 and torchao int4; table, JSON and PNG chart
+  plot      the chart and table of a `generate` JSON file
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import sys
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m kbit_hf.bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="kbit-bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     pk = sub.add_parser("kernels", help="kernel micro-benchmarks (needs a CUDA GPU and the compiled library)")

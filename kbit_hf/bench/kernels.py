@@ -207,8 +207,8 @@ def run(args) -> int:
                 kbytes = p0.numel() * 4 + a0.numel()
                 copies = [(p0, a0)] + [(p0.clone(), a0.clone()) for _ in range(_n_copies(kbytes) - 1)]
                 y = torch.empty(M, out_f, device="cuda", dtype=torch.bfloat16)
-                tiled = dispatch.holds_tiled(out_f, in_f, k, "e4m4", torch.device("cuda"))
-                if tiled:  # KbitLinear holds this weight in the tiled layout: time that, and the bit planes too
+                held_tiled = dispatch.holds_tiled(out_f, in_f, k, "e4m4", torch.device("cuda"))
+                if held_tiled:  # KbitLinear holds this weight in the tiled layout: time that, and the bit planes too
                     tcopies = [tiled.tile(c[0], c[1], in_f, k) for c in copies]
                     us = _time_graph([lambda c=c: cuda.linear_out(x, c[0], c[1], s0, cb, k, in_f, None, y)
                                       for c in tcopies], repeats)
@@ -216,7 +216,7 @@ def run(args) -> int:
                     del tcopies
                 us = _time_graph([lambda c=c: cuda.linear_out(x, c[0], c[1], s0, cb, k, in_f, None, y)
                                   for c in copies], repeats)
-                rows.append((f"K={k} planes" if tiled else f"kbit K={k}", us, kbytes + io_bytes))
+                rows.append((f"K={k} planes" if held_tiled else f"kbit K={k}", us, kbytes + io_bytes))
                 if k == 4 and M > 8:  # the path M > 8 took before the token-tiled kernel: dequantize + cuBLAS
                     wbuf = torch.empty(out_f, in_f, device="cuda", dtype=torch.bfloat16)
                     us_dq = _time_graph([lambda c=c: torch.mm(x, cuda.dequantize_out(c[0], c[1], s0, cb, k, in_f, wbuf)
