@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -16,9 +17,9 @@ class KbitConfig(QuantizationConfigMixin):
     """K-bit blockwise codebook quantization of every linear layer and MoE expert.
 
     Args:
-        k: bits per weight index, 2, 3, 4 or 5.
+        k: bits per weight index, 3, 4 or 5 (2 is accepted for experiments and warns: it breaks models today).
         codebook: "nf0" (the default: normal-float with an exact zero, bitsandbytes' NF4 construction for any k),
-            "nf" (symmetric normal-float without a zero level; measured worse at every k >= 3, see docs/perplexity.md)
+            "nf" (symmetric normal-float without a zero level; measured worse at every k >= 3, see docs/quality.md)
             or an explicit list of 2**k strictly increasing finite floats in [-1, 1].
         absmax_format: how each 32-weight block stores its scale: "e4m4" (1 byte, default) or "fp16" (2 bytes).
         modules_to_not_convert: extra module names to keep in full precision, as written in the model
@@ -61,6 +62,10 @@ class KbitConfig(QuantizationConfigMixin):
         """Validate every field; raise ValueError naming the field."""
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k not in fmt.SUPPORTED_K:
             raise ValueError(f"k: must be one of {fmt.SUPPORTED_K}, got {self.k!r}")
+        if self.k == 2:
+            warnings.warn("k=2: round-to-nearest at 2.25 bits per weight breaks the models measured so far (SmolLM2-135M "
+                          "perplexity 5e9, docs/quality.md); it is offered for experiments, use k >= 3 for a usable "
+                          "model", UserWarning, stacklevel=3)
         if isinstance(self.codebook, str):
             if self.codebook not in fmt.NAMED_CODEBOOKS:
                 raise ValueError(f"codebook: unknown codebook name {self.codebook!r} (expected one of "

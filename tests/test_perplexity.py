@@ -2,7 +2,7 @@
 
 Runs in CI on the CPU (~50 s on 2 idle cores, plus a one-time GGUF conversion into ~/.cache/kbit_hf):
 the unquantized model and K = 2, 3, 4 on the first N_TOKENS tokens of kbit_hf.eval.eval_text(), in windows of
-SEQ_LEN. docs/perplexity.md has the longer measurement.
+SEQ_LEN. docs/quality.md has the longer measurement.
 """
 
 import importlib.util
@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 N_TOKENS = 2048
 SEQ_LEN = 512
 
-# Measured on this slice (CPU, torch 2.13, transformers 5.23, fp32 activations, e4m4 scales), docs/perplexity.md:
+# Measured on this slice (CPU, torch 2.13, transformers 5.23, fp32 activations, e4m4 scales), docs/quality.md:
 #   default nf0 codebook: fp32 15.259   K=4 18.437 (ratio 1.208)   K=3 35.38   K=2 4.5e9
 #   nf codebook:                        K=4 19.229 (ratio 1.260)   K=3 340.9   K=2 8.8e5
 # The bound leaves ~7% headroom over the measured 1.208: the computation is deterministic, so a breach means the

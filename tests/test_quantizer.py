@@ -221,7 +221,7 @@ def test_other_k_and_formats_round_trip(k, absmax_format, fp_folder, tmp_path):
     want_dtype = torch.uint8 if absmax_format == "e4m4" else torch.float16
     experts = model.model.layers[0].mlp.experts
     assert experts.down_proj_absmax.dtype == want_dtype
-    # the weights come back within the error a K-bit codebook allows (docs/perplexity.md has the model-level figures)
+    # the weights come back within the error a K-bit codebook allows (docs/quality.md has the model-level figures)
     fp = fp_folder("mixtral")[1].model.layers[0]
     q_proj = model.model.layers[0].self_attn.q_proj
     for got, want in ((q_proj.dequantized_weight(torch.float32), fp.self_attn.q_proj.weight),

@@ -1,16 +1,16 @@
 """What the GPU allows for the shapes the kbit kernels are judged on: times of kernels that only move bytes
-(tests/gpu/floor_kernels.cu), measured with the kernel benchmark's method (one CUDA graph per case, buffers
+(tools/floor_kernels.cu), measured with the kernel benchmark's method (one CUDA graph per case, buffers
 rotated over > 4x L2, median per call). Best over a few grid sizes. Prints microseconds and % of the SM copy
 bandwidth of the same run.
 
-usage: nvcc -arch=sm_90 -O3 -shared -Xcompiler -fPIC -cudart static -o libfloor.so tests/gpu/floor_kernels.cu
-       python tests/gpu/bench_floor.py libfloor.so [json_out]
-       FLOOR_TILES=1 python tests/gpu/bench_floor.py libfloor.so [json_out]   (only the GEMV's load pattern,
-           floor_tileread; FLOOR_TILES_CASES="warps:depth:CTAs per SM:rows,...", rows 16 or 8)
-       FLOOR_ITEMS=1 python tests/gpu/bench_floor.py libfloor.so [json_out]   (the tiled range GEMV's stream of
-           items without its decode, floor_itemread, against a plain read of the same bytes;
-           FLOOR_ITEMS_CASES="mode:slots:warps,...": mode 0 bulk copies + the GEMV's slot reads, 1 bulk copies alone,
-           2 register loads; + 4: the items dealt to the warps in turn)
+usage (from the repository root):
+    nvcc -arch=sm_90 -O3 -shared -Xcompiler -fPIC -cudart static -o /tmp/libfloor.so tools/floor_kernels.cu
+    PYTHONPATH=. python tools/bench_floor.py /tmp/libfloor.so [json_out]
+FLOOR_TILES=1: only the GEMV's load pattern (floor_tileread); FLOOR_TILES_CASES="warps:depth:CTAs per SM:rows,...",
+    rows 16 or 8.
+FLOOR_ITEMS=1: the tiled range GEMV's stream of items without its decode (floor_itemread), against a plain read of
+    the same bytes; FLOOR_ITEMS_CASES="mode:slots:warps,...": mode 0 bulk copies + the GEMV's slot reads, 1 bulk
+    copies alone, 2 register loads; + 4: the items dealt to the warps in turn.
 """
 
 import ctypes
@@ -51,7 +51,7 @@ def main():
 
 
 def tile_reads(lib, sink, stream, report):
-    """The GEMV's load pattern without its decode (floor_tileread), K = 4 bytes of the issue's shapes."""
+    """The GEMV's load pattern without its decode (floor_tileread), K = 4 bytes of the kernel benchmark's shapes."""
     lib.floor_tileread.restype = ctypes.c_int
     smem_per_sm = torch.cuda.get_device_properties(0).shared_memory_per_multiprocessor
     cases = os.environ.get("FLOOR_TILES_CASES", "4:1:4:16,8:1:2:16,4:2:4:16,4:4:4:16,8:2:2:16,4:1:0:16,4:2:0:16,"
@@ -76,7 +76,7 @@ def tile_reads(lib, sink, stream, report):
 
 def item_reads(lib, sms, sink, stream, report):
     """The tiled range GEMV's stream of items (bulk copies into per-warp slots, or register loads), K = 4 items of
-    the issue's shapes and K = 2 items of 14336x4096, next to a plain read of the same bytes (floor_read)."""
+    the kernel benchmark's shapes and K = 2 items of 14336x4096, next to a plain read of the same bytes (floor_read)."""
     lib.floor_itemread.restype = ctypes.c_int
     cases = os.environ.get("FLOOR_ITEMS_CASES", "0:1:16,0:2:16,0:3:16,1:1:16,1:2:16,2:1:16,2:2:16,2:3:16,0:2:8,0:4:8,"
                                                 "2:2:8,2:4:8")
@@ -105,7 +105,7 @@ def item_reads(lib, sms, sink, stream, report):
 def floor_cases(lib, sms, sink, stream, report):
     """The empty kernel, pure reads, writes and the dequantize pattern."""
     report(f"empty kernel, {sms} CTAs", 0, [lambda: lib.floor_empty(sms, stream())] * 200)
-    # packed K=4 bytes (4.25 bits per weight) of the issue's GEMV shapes, plus a K=2 one
+    # packed K=4 bytes (4.25 bits per weight) of the kernel benchmark's GEMV shapes, plus a K=2 one
     for label, nbytes in (("1024x4096 K=4", 1024 * 4096 * 17 // 32), ("4096x4096 K=4", 4096 * 4096 * 17 // 32),
                           ("4096x4096 K=2", 4096 * 4096 * 9 // 32), ("14336x4096 K=4", 14336 * 4096 * 17 // 32),
                           ("28672x8192 K=4", 28672 * 8192 * 17 // 32)):

@@ -1,5 +1,5 @@
-"""How fast could a quantized decode step get if the linear layers cost nothing? An upper bound for the batch-1
-target of the generation issue, measured rather than estimated.
+"""How fast could a quantized decode step get if the linear layers cost nothing? An upper bound on batch-1 decode
+speed, measured rather than estimated.
 
 Loads the checkpoint as bf16 and as kbit K=4, then the K=4 model once more with every KbitLinear replaced by an
 "oracle" that returns a preallocated zero tensor (no kernel at all; the bf16 lm_head, attention, norms, the compiled
@@ -8,7 +8,7 @@ cache, batch 1, median ms between streamed tokens), with transformers' per-step 
 step(oracle) is the floor that any linear kernel leaves; step(kbit) - step(oracle) is what kbit's GEMVs add to the
 step (not their GPU time: part of it can overlap the host's work).
 
-usage: python tests/gpu/decode_bound.py FOLDER [new_tokens] [json_out]
+usage (from the repository root): PYTHONPATH=. python tools/decode_bound.py FOLDER [new_tokens] [json_out]
 """
 
 import contextlib

@@ -1,5 +1,5 @@
 // floor_kernels.cu: reference kernels that only move bytes, to measure what the GPU allows for the shapes the kbit
-// kernels are judged on (tests/gpu/bench_floor.py). Plain C ABI, no torch: built with nvcc into a small .so.
+// kernels are judged on (tools/bench_floor.py). Plain C ABI, no torch: built with nvcc into a small .so.
 //   floor_empty   an empty kernel: the cost of one graph node.
 //   floor_read    grid-stride, each thread 4 independent 16-byte loads per iteration, XOR-reduced; the result is
 //                 stored only if it equals a value it cannot equal, so the loads are not dead.
@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(256) expand_kernel(const uint4* __restrict__ s
   }
 }
 
-// (whole steps only: the issue's shapes have a multiple of 16 blocks per row; see the file header)
+// (whole steps only: the benchmark's shapes have a multiple of 16 blocks per row; see the file header)
 template <int D, int ROWS>
 __global__ void __launch_bounds__(256) tileread_kernel(const uint32_t* __restrict__ packed,
                                                        const uint8_t* __restrict__ absmax, int64_t out, int nb,

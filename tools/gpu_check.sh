@@ -1,27 +1,66 @@
 #!/usr/bin/env bash
-# One device-machine session: build in-tree (sm_90 only, to save time), GPU tests, memcheck, kernel benchmark.
-# Logs go to $OUT (the device tool brings them back). Usage: bash tests/gpu/run_device.sh [pytest args...]
+# The GPU check of one device machine, from the repository root: build libkbit_cuda in-tree (tools/build_lib.sh,
+# sm_90 unless KBIT_CUDA_ARCHS says otherwise), the GPU tests (tests/gpu), compute-sanitizer memcheck of
+# tools/sanitize_driver.py, and the kernel benchmark (python -m kbit_hf.bench kernels). Logs and results go to $OUT
+# (default /tmp/kbit_out). Exits non-zero when a step fails.
+#   bash tools/gpu_check.sh [pytest arguments for tests/gpu ...]
+# Environment:
+#   SKIP_TESTS=1 / SKIP_SAN=1 / SKIP_BENCH=1   leave out the GPU tests / memcheck / kernel benchmark
+#   BENCH_ARGS="--k 4 --m 1,8"                 arguments of the kernel benchmark
+#   RACECHECK=1                                also compute-sanitizer racecheck of tools/sanitize_driver.py
+#   RUN_ALL_CUDA=1                             also the CUDA-marked tests outside tests/gpu (pytest tests -m cuda)
+#   GEN_ARGS="--model llama-3-8b --layers 4 --methods bf16,kbit4 --batch 1"
+#                                              also python -m kbit_hf.bench generate $GEN_ARGS (checkpoints in
+#                                              GEN_WORKDIR, default /tmp/kbit_ckpt; a .pkgs folder of unpacked
+#                                              wheels, such as bitsandbytes / torchao to compare against, goes on
+#                                              the PYTHONPATH)
+#   KBIT_CUDA_LIB=path / REBUILD=0             use a prebuilt library / keep the installed one (build_lib.sh)
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-/tmp/kbit_out}"; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/device.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv 2>&1 | tee "$OUT/device.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 t0=$(date +%s)
-. "$(dirname "$0")/build_lib.sh"  # in-tree build unless KBIT_CUDA_LIB is carried
-python3 -c "import kbit_hf.cuda_backend as c; print('library:', c.available(), c.library_path())"
+. tools/build_lib.sh  # in-tree build unless KBIT_CUDA_LIB names a prebuilt library
+python3 -c "from kbit_hf.backends.cuda import library as lib
+print('library:', lib.available(), lib.library_path() or lib.load_error())"
+failed=()
+step() {  # step NAME RC: record a failed step, print the time so far
+  [ "$2" = 0 ] || failed+=("$1 (rc=$2)")
+  echo "$1: rc=$2, $(( $(date +%s) - t0 )) s"
+}
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 480 python3 -m pytest tests/gpu -q -x -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
-  echo "tests: $(( $(date +%s) - t0 )) s"
+  step "gpu tests" "${PIPESTATUS[0]}"
 fi
 if [ "${SKIP_SAN:-0}" != 1 ]; then
-  PYTHONPATH=$PWD timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/gpu/sanitize_driver.py \
-    >"$OUT/sanitizer.log" 2>&1; echo "memcheck rc=$?"; tail -4 "$OUT/sanitizer.log"
-  echo "sanitizer: $(( $(date +%s) - t0 )) s"
+  timeout 300 compute-sanitizer --tool memcheck --error-exitcode 1 python3 tools/sanitize_driver.py \
+    >"$OUT/sanitizer.log" 2>&1
+  rc=$?; tail -4 "$OUT/sanitizer.log"; step "memcheck" "$rc"
+fi
+if [ "${RACECHECK:-0}" = 1 ]; then
+  timeout 580 compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize_driver.py --sync \
+    >"$OUT/racecheck.log" 2>&1
+  rc=$?; tail -4 "$OUT/racecheck.log"; step "racecheck" "$rc"
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   timeout 300 python3 -m kbit_hf.bench kernels --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
-  echo "bench: $(( $(date +%s) - t0 )) s"
+  step "kernel bench" "${PIPESTATUS[0]}"
 fi
 if [ "${RUN_ALL_CUDA:-0}" = 1 ]; then
-  timeout 400 python3 -m pytest tests -q -m cuda -p no:cacheprovider 2>&1 | tee "$OUT/pytest_all_cuda.log" | tail -15
-  echo "all cuda tests: $(( $(date +%s) - t0 )) s"
+  timeout 400 python3 -m pytest tests -q -m cuda --ignore=tests/gpu -p no:cacheprovider 2>&1 \
+    | tee "$OUT/pytest_all_cuda.log" | tail -15
+  step "cuda tests outside tests/gpu" "${PIPESTATUS[0]}"
 fi
+if [ -n "${GEN_ARGS:-}" ]; then
+  [ -d .pkgs ] && export PYTHONPATH="$PWD/.pkgs:$PYTHONPATH"
+  python3 -m kbit_hf.bench generate --workdir "${GEN_WORKDIR:-/tmp/kbit_ckpt}" $GEN_ARGS 2>&1 | tr '\r' '\n' \
+    | grep --line-buffered -v "it/s\]$" | tee "$OUT/generate.log"
+  step "generate bench" "${PIPESTATUS[0]}"
+fi
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "all steps passed"

@@ -2,7 +2,8 @@
 compiled + CUDA graphs, or eager), then profiles `generate` and prints the GPU time per decode step by kernel,
 the summed GPU busy time per step, the wall time per step, and the host (CPU) self time by op.
 
-usage: python tests/gpu/profile_decode.py FOLDER METHOD [static|eager] [new_tokens]
+usage (from the repository root): PYTHONPATH=. python tools/profile_decode.py FOLDER METHOD [static|eager] [new_tokens]
+METHOD: one of `python -m kbit_hf.bench generate --methods` (bf16, kbit4, kbit2-head, bnb-nf4, ...)
 """
 
 import sys

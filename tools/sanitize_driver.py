@@ -1,68 +1,142 @@
-"""Exercise every kbit CUDA kernel once on small odd shapes (for `compute-sanitizer --tool memcheck`).
+"""Run every kbit CUDA kernel family on small, odd shapes, for compute-sanitizer (tools/gpu_check.sh runs both):
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_driver.py
+    PYTHONPATH=. compute-sanitizer --tool memcheck --error-exitcode 1 python tools/sanitize_driver.py
+    PYTHONPATH=. compute-sanitizer --tool racecheck --error-exitcode 1 python tools/sanitize_driver.py --sync
+
+Bit planes (K = 2..5, both block-scale formats): quantize, dequantize, the fused GEMV (M <= 8, the token tiles up to
+M = 64, the folded 8-row tiles), dequantize + cuBLAS (M = 65), the per-row expert GEMV and the grouped expert path.
+Tiled layout (K = 2..5, e4m4): tile, untile, dequantize, and on sm_90 the tiled GEMV, the library's choice through
+kernels.linear and every variant of kernels.TILED_KERNELS forced through kernels.linear_out. Prints the calls per
+family; the sanitizer's exit code says whether any of them misbehaved. Arguments narrow the run (--help). Under
+racecheck pass --sync: its host memory grows with the launches queued ahead of the GPU (past 120 GiB without it).
 """
 
+import argparse
 import itertools
+from collections import Counter
 
 import torch
 
-from kbit_hf import cuda_backend as cuda
 from kbit_hf import format as fmt
+from kbit_hf.backends.cuda import dispatch, kernels, library
+from kbit_hf.backends.cuda.tiled import TILED_K, tile, untile
+
+# (37, 2088), (2, 20, 2080): the folded tiles at M <= 4 (a partial tile and step; 2088: a partial block too)
+PLANE_SHAPES = [(1, 7), (3, 33), (9, 100), (2, 3, 64), (17, 520), (20, 4104), (37, 2088), (2, 20, 2080)]
+GEMV_M = (1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65)  # 65: dequantize + cuBLAS
+# (48, 512): fewer tiles than SMs; (272, 768): 17 tiles of 3 chunks
+TILED_SHAPES = [(48, 512), (272, 768)]
+TILED_M = (1, 8, 9, 17, 33, 64)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+X_DTYPES = (torch.bfloat16, torch.float16)
+
+
+SYNC = False  # --sync / -v: wait for each step's kernels before the next step is launched
+VERBOSE = False  # -v: print each step as it starts (after the sync, so a crash is placed exactly)
+
+
+def _step(what: str) -> None:
+    if SYNC or VERBOSE:
+        torch.cuda.synchronize()
+    if VERBOSE:
+        print(what, flush=True)
+
+
+def bit_planes(calls: Counter, ks) -> None:
+    for k in ks:
+        print(f"bit planes, K = {k}", flush=True)
+        cb = fmt.nf_codebook(k).cuda()
+        for shape, af in itertools.product(PLANE_SHAPES, fmt.ABSMAX_FORMATS):
+            _step(f"  {shape}, {af} scales")
+            for wdt in DTYPES:  # the weights quantized last (bf16) feed the GEMVs below
+                p, a, s = kernels.quantize(torch.randn(shape, device="cuda").to(wdt), cb, k, af)
+                calls["quantize"] += 1
+                for odt in DTYPES:
+                    kernels.dequantize(p, a, s, cb, k, shape[-1], odt)
+                    calls["dequantize"] += 1
+            if len(shape) == 2:
+                for xdt, M in itertools.product(X_DTYPES, GEMV_M):
+                    x = torch.randn(M, shape[-1], device="cuda", dtype=xdt)
+                    bias = torch.randn(shape[0], device="cuda", dtype=xdt) if af == "e4m4" else None
+                    kernels.linear(x, p, a, s, cb, k, shape[-1], bias)
+                    calls["gemv" if M <= dispatch.GEMV_MAX_M else "dequantize + cuBLAS"] += 1
+                continue
+            for xdt in X_DTYPES:
+                x = torch.randn(5, shape[-1], device="cuda", dtype=xdt)
+                ids = torch.tensor([0, 1, -1, 2, 1], device="cuda")  # -1: an expert-parallel sentinel
+                kernels.expert_linear(x, ids, p, a, s, cb, k, shape[-1])
+                calls["expert gemv"] += 1
+            if af == "e4m4":  # more rows than the per-row kernel takes: one linear per expert present
+                n = dispatch.EXPERT_GEMV_MAX_N + 3
+                x = torch.randn(n, shape[-1], device="cuda", dtype=torch.bfloat16)
+                ids = torch.randint(-1, shape[0] + 1, (n,), device="cuda")
+                kernels.expert_linear(x, ids, p, a, s, cb, k, shape[-1])
+                calls["expert linear, grouped"] += 1
+
+
+def tiled(calls: Counter, ks, variants=None) -> None:
+    gemv = dispatch.tiled_gemv_runs_on(torch.cuda.current_device())
+    auto = variants is None or "auto" in variants
+    forced = [name for name in kernels.TILED_KERNELS if name != "auto" and (variants is None or name in variants)]
+    for k, (out_f, in_f) in itertools.product([k for k in ks if k in TILED_K], TILED_SHAPES):
+        print(f"tiled, K = {k}, {out_f}x{in_f}", flush=True)
+        cb = fmt.nf0_codebook(k).cuda()
+        _step("  quantize")
+        p, a, s = kernels.quantize(torch.randn(out_f, in_f, device="cuda"), cb, k, "e4m4")
+        _step("  tile, untile, dequantize")
+        wt, at = tile(p, a, in_f, k)
+        untile(wt, at, in_f, k)
+        calls["tile"] += 1
+        calls["untile"] += 1
+        for odt in DTYPES:
+            kernels.dequantize(wt, at, s, cb, k, in_f, odt)
+            calls["dequantize tiled"] += 1
+        if not gemv:
+            continue
+        for xdt in X_DTYPES:
+            bias = torch.randn(out_f, device="cuda", dtype=xdt)
+            for M in TILED_M + (65,) if auto else ():  # the library's choice; 65: dequantize (tiled) + cuBLAS
+                _step(f"  {xdt}, auto, M = {M}")
+                x = torch.randn(M, in_f, device="cuda", dtype=xdt)
+                kernels.linear(x, wt, at, s, cb, k, in_f, bias)
+                calls["gemv tiled, auto" if M <= dispatch.GEMV_MAX_M else "dequantize tiled + cuBLAS"] += 1
+            for name, M in itertools.product(forced, TILED_M):
+                _step(f"  {xdt}, {name}, M = {M}")
+                x = torch.randn(M, in_f, device="cuda", dtype=xdt)
+                y = torch.empty(M, out_f, device="cuda", dtype=xdt)
+                kernels.linear_out(x, wt, at, s, cb, k, in_f, bias if M % 2 else None, y, tiled_kernel=name)
+                calls[f"gemv tiled, {name}"] += 1
+    if not gemv:
+        print("sanitize_driver: not an sm_90 device, the tiled GEMVs were not run")
 
 
 def main():
-    assert cuda.available(), cuda.load_error()
-    n = 0
-    for k in fmt.SUPPORTED_K:
-        cb = fmt.nf_codebook(k).cuda()
-        # (37, 2088), (2, 20, 2080): the folded tiles at M <= 4 (a partial tile and step; 2088: a partial block too)
-        for shape in [(1, 7), (3, 33), (9, 100), (2, 3, 64), (17, 520), (20, 4104), (37, 2088), (2, 20, 2080)]:
-            for wdt in (torch.float32, torch.float16, torch.bfloat16):
-                for af in fmt.ABSMAX_FORMATS:
-                    w = torch.randn(shape, device="cuda").to(wdt)
-                    p, a, s = cuda.quantize(w, cb, k, af)
-                    n += 1
-                    for odt in (torch.float32, torch.float16, torch.bfloat16):
-                        cuda.dequantize(p, a, s, cb, k, shape[-1], odt)
-                        n += 1
-            if len(shape) == 2:
-                for xdt in (torch.bfloat16, torch.float16):
-                    for M in (1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65):
-                        x = torch.randn(M, shape[-1], device="cuda", dtype=xdt)
-                        bias = torch.randn(shape[0], device="cuda", dtype=xdt)
-                        cuda.linear(x, p, a, s, cb, k, shape[-1], bias)
-                        cuda.linear(x, p, a, s, cb, k, shape[-1], None)
-                        n += 2
-            else:
-                for xdt in (torch.bfloat16, torch.float16):
-                    x = torch.randn(5, shape[-1], device="cuda", dtype=xdt)
-                    ids = torch.tensor([0, 1, -1, 2, 1], device="cuda")
-                    cuda.expert_linear(x, ids, p, a, s, cb, k, shape[-1])
-                    n += 1
-    # the tiled layout (K = 2..5, e4m4; the GEMV on sm_90 only): tile, untile, dequantize, GEMV for each token-tile
-    # count
-    for k, shape in itertools.product(fmt.TILED_K, [(48, 512), (272, 768)]):
-        cb = fmt.nf0_codebook(k).cuda()
-        p, a, s = cuda.quantize(torch.randn(shape, device="cuda"), cb, k, "e4m4")
-        wt, at = cuda.tile(p, a, shape[1], k)
-        cuda.untile(wt, at, shape[1], k)
-        n += 2
-        for odt in (torch.float32, torch.float16, torch.bfloat16):
-            cuda.dequantize(wt, at, s, cb, k, shape[1], odt)
-            n += 1
-        if cuda.tiled_supported(torch.device("cuda")):
-            # each tiled GEMV kernel forced (the batched one also with its k split over clusters of 2 CTAs)
-            for kernel in ("range", "batch1", "batch2", "batch4", "batch1k2", "batch2k2", "batch4k2"):
-                cuda.tiled_kernel = cuda.TILED_KERNELS[kernel]
-                for xdt in (torch.bfloat16, torch.float16):
-                    for M in (1, 8, 9, 17, 33, 64):
-                        x = torch.randn(M, shape[1], device="cuda", dtype=xdt)
-                        cuda.linear(x, wt, at, s, cb, k, shape[1], torch.randn(shape[0], device="cuda", dtype=xdt))
-                        n += 1
-            cuda.tiled_kernel = cuda.TILED_KERNELS["auto"]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("parts", nargs="*", metavar="planes|tiled",
+                        help="the bit-plane kernels and / or the tiled layout's (default both)")
+    parser.add_argument("--k", type=int, action="append", choices=fmt.SUPPORTED_K, help="only this K (repeatable)")
+    parser.add_argument("--tiled-kernel", action="append", choices=tuple(kernels.TILED_KERNELS),
+                        help="only this tiled GEMV variant (repeatable; auto: kernels.linear)")
+    parser.add_argument("--sync", action="store_true", help="synchronize after each step (racecheck needs it)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print each step as it starts (implies --sync)")
+    args = parser.parse_args()
+    global SYNC, VERBOSE
+    SYNC, VERBOSE = args.sync, args.verbose
+    if set(args.parts) - {"planes", "tiled"}:
+        parser.error(f"parts: {args.parts}; expected planes and / or tiled")
+    assert torch.cuda.is_available(), "no CUDA device"
+    assert library.available(), library.load_error()
+    ks = args.k or fmt.SUPPORTED_K
+    parts = args.parts or ("planes", "tiled")
+    calls = Counter()
+    if "planes" in parts:
+        bit_planes(calls, ks)
+    if "tiled" in parts:
+        tiled(calls, ks, args.tiled_kernel)
     torch.cuda.synchronize()
-    print(f"sanitize_driver: {n} kernel calls OK")
+    for family, n in calls.items():
+        print(f"  {family:28} {n:5d}")
+    print(f"sanitize_driver: {sum(calls.values())} kernel calls OK")
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@ import torch
 def _why_skip():
     if not torch.cuda.is_available():
         return "no CUDA device"
-    from kbit_hf import cuda_backend
+    from kbit_hf.backends.cuda import library
 
-    if not cuda_backend.available():
-        return f"kbit CUDA library not built ({cuda_backend.load_error()})"
+    if not library.available():
+        return f"kbit CUDA library not loaded ({library.load_error()})"
     return None
 
 

@@ -1,4 +1,5 @@
-"""Bit-exactness of the CUDA kernels against the pure-PyTorch reference (kbit_hf/reference.py)."""
+"""The CUDA kernels of the bit-plane layout (kbit_hf/backends/cuda/kernels.py) against the pure-PyTorch reference
+(kbit_hf/backends/reference.py): quantize and dequantize bit for bit, the fused GEMVs within their rounding."""
 
 import functools
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 from kbit_hf import format as fmt
-from kbit_hf import reference
+from kbit_hf.backends import reference
+from kbit_hf.backends.cuda import dispatch, kernels, library
 
 pytestmark = pytest.mark.cuda
 
@@ -14,12 +16,6 @@ KS = (2, 3, 4, 5)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # (lead dims..., out, in): in not a multiple of 32 / 8, out = 1, experts
 SHAPES = [(1, 32), (1, 7), (3, 50), (17, 1000), (5, 33), (64, 4096), (130, 264), (2, 5, 70), (4, 8, 96)]
-
-
-def _cuda():
-    from kbit_hf import cuda_backend
-
-    return cuda_backend
 
 
 def _weights(shape, dtype, seed):
@@ -49,7 +45,7 @@ def test_quantize_bitexact(k, dtype, absmax_format, shape):
     cb = fmt.nf_codebook(k)
     w = _weights(shape, dtype, seed=k * 1000 + len(shape) + shape[-1])
     ref = reference.quantize(w, cb, k, absmax_format)
-    _assert_same_quantized(ref, _cuda().quantize(w.cuda(), cb.cuda(), k, absmax_format))
+    _assert_same_quantized(ref, kernels.quantize(w.cuda(), cb.cuda(), k, absmax_format))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -58,7 +54,7 @@ def test_quantize_rejects_non_finite_weights(dtype):
         w = torch.randn(3, 40, 70, device="cuda").to(dtype)
         w[2, 39, 69] = bad
         with pytest.raises(ValueError, match="1 NaN/Inf"):
-            _cuda().quantize(w, fmt.nf_codebook(4).cuda(), 4, "e4m4")
+            kernels.quantize(w, fmt.nf_codebook(4).cuda(), 4, "e4m4")
 
 
 @pytest.mark.parametrize("k", KS)
@@ -70,7 +66,7 @@ def test_quantize_custom_codebook_and_scales(k):
     w[4] *= 1e4
     w[5, :32] = 1e-30
     for fmt_name in fmt.ABSMAX_FORMATS:
-        got = _cuda().quantize(w.cuda(), cb.cuda(), k, fmt_name)
+        got = kernels.quantize(w.cuda(), cb.cuda(), k, fmt_name)
         _assert_same_quantized(reference.quantize(w, cb, k, fmt_name), got)
 
 
@@ -84,7 +80,7 @@ def test_dequantize_bitexact(k, out_dtype, absmax_format, shape):
     p, a, s = reference.quantize(w, cb, k, absmax_format)
     ref = reference.dequantize(p, a, s, cb, k, shape[-1], out_dtype)
     out = torch.full(ref.shape, float("nan"), dtype=out_dtype, device="cuda")  # poison: every element must be written
-    _cuda().dequantize_out(p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, shape[-1], out)
+    kernels.dequantize_out(p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, shape[-1], out)
     assert torch.equal(out.cpu(), ref)
     # through the custom op dispatcher too
     got = torch.ops.kbit.dequantize(p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, shape[-1], out_dtype)
@@ -102,11 +98,11 @@ def test_dequantize_grid_stride(k, dense):
     out_f = one_pass // inf + 37
     cb = fmt.nf_codebook(k).cuda()
     w = torch.randn(out_f, inf, device="cuda", dtype=torch.bfloat16)
-    p, a, s = _cuda().quantize(w, cb, k, "e4m4")
+    p, a, s = kernels.quantize(w, cb, k, "e4m4")
     del w
     ref = reference.dequantize(p, a, s, cb, k, inf, torch.bfloat16)  # the pure-PyTorch reference, run on the GPU
     out = torch.full_like(ref, float("nan"))
-    _cuda().dequantize_out(p, a, s, cb, k, inf, out)
+    kernels.dequantize_out(p, a, s, cb, k, inf, out)
     assert torch.equal(out, ref)
 
 
@@ -128,7 +124,7 @@ def _assert_linear_close(y, ref, mag, dtype, rel_w=0.0, norm_check=True):
     assert bool((err <= tol).all()), f"max err {err.max().item()} vs tol {tol[err > tol][:3].tolist()}"
     # The per-element bound above is loose enough (~2^-7 of sum|x||w| in bf16) to pass a kernel that drops a block
     # or misreads 1 block scale in 16. Over >= 64 outputs of like rows the error's norm must also stay within
-    # rounding: a simulation put honest bf16 kernels at ~0.0023 of the reference's norm and those bugs at
+    # rounding: simulated, honest bf16 kernels stay near 0.0023 of the reference's norm and those bugs give
     # 0.012-0.048. (Not where one row dominates the norm: then it is one output's relative error, up to ~0.013.)
     if norm_check and ref.numel() >= 64:
         rel_norm = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-9, torch.float32: 2.0**-14}[dtype]
@@ -181,7 +177,7 @@ def test_gemv(k, dtype, M, shape):
     ref, mag = _ref_linear64(x, p, a, s, cb, k, in_f, bias)
     out = torch.full((M, out_f), float("nan"), dtype=dtype, device="cuda")
     cb_, p_, a_, s_ = cb.cuda(), p.cuda(), a.cuda(), s.cuda()
-    _cuda().linear_out(x.cuda(), p_, a_, s_, cb_, k, in_f, None if bias is None else bias.cuda(), out)
+    kernels.linear_out(x.cuda(), p_, a_, s_, cb_, k, in_f, None if bias is None else bias.cuda(), out)
     rel_w = GEMV_REL_W[dtype]
     _assert_linear_close(out, ref, mag, dtype, rel_w=rel_w)
     y = torch.ops.kbit.linear(x.cuda(), p_, a_, s_, cb_, k, in_f, None if bias is None else bias.cuda())
@@ -208,7 +204,7 @@ def test_gemv_misaligned_x(k, M, shape):
     assert x.data_ptr() % 16 != 0
     ref, mag = _ref_linear64(x.cpu(), p, a, s, cb, k, in_f)
     out = torch.full((M, out_f), float("nan"), dtype=dtype, device="cuda")
-    _cuda().linear_out(x, p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, in_f, None, out)
+    kernels.linear_out(x, p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, in_f, None, out)
     _assert_linear_close(out, ref, mag, dtype, rel_w=GEMV_REL_W[dtype])
 
 
@@ -216,15 +212,14 @@ def test_gemv_misaligned_x(k, M, shape):
 def test_gemv_refuses_rows_past_2_30(M):
     """Both fused kernels (M <= 8 and token tiles) keep 32-bit in-row offsets: the launcher refuses in > 2^30 with
     cudaErrorInvalidConfiguration (9) before reading anything (the small buffers here are never touched)."""
-    cuda = _cuda()
     x = torch.zeros(M, 64, dtype=torch.bfloat16, device="cuda")
     y = torch.zeros(M, 1, dtype=torch.bfloat16, device="cuda")
     p = torch.zeros(1, 8, dtype=torch.int32, device="cuda")
     a = torch.zeros(1, 2, dtype=torch.uint8, device="cuda")
     s = torch.ones((), device="cuda")
     cb = fmt.nf_codebook(4).cuda()
-    rc = cuda._lib.kbit_gemv(x.data_ptr(), 2, M, p.data_ptr(), a.data_ptr(), 0, s.data_ptr(), cb.data_ptr(), 4, 1,
-                             2**30 + 32, 0, y.data_ptr(), torch.cuda.current_stream().cuda_stream)
+    rc = library.lib.kbit_gemv(x.data_ptr(), 2, M, p.data_ptr(), a.data_ptr(), 0, s.data_ptr(), cb.data_ptr(), 4,
+                               1, 2**30 + 32, 0, y.data_ptr(), torch.cuda.current_stream().cuda_stream)
     assert rc == 9
     torch.cuda.synchronize()  # and nothing was launched that could fault
 
@@ -256,9 +251,7 @@ def test_expert_linear(k, dtype, N, path, shape, monkeypatch):
     """Both expert paths for every N: the per-row kernel, and rows grouped by expert (one fused linear per expert
     present, dequantize + cuBLAS above 64 rows), forced through the row threshold. 20 x 2080 with few rows: the
     folded 8-row tiles (a partial tile and step), with fp16 block scales."""
-    from kbit_hf import cuda_backend
-
-    monkeypatch.setattr(cuda_backend, "EXPERT_GEMV_MAX_N", 65535 if path == "per_row" else 0)
+    monkeypatch.setattr(dispatch, "EXPERT_GEMV_MAX_N", 65535 if path == "per_row" else 0)
     E, (out_f, in_f) = 6, shape
     cb = fmt.nf_codebook(k)
     g = torch.Generator().manual_seed(N + k)
@@ -287,18 +280,17 @@ def test_expert_linear(k, dtype, N, path, shape, monkeypatch):
 
 @pytest.mark.parametrize("shape", ((512, 1024), (1024, 4096)), ids=str)  # 1024 x 4096: the folded tiles
 def test_cuda_graph_capture(shape):
-    cuda = _cuda()
     k, (out_f, in_f) = 4, shape
     cb = fmt.nf_codebook(k).cuda()
     w = torch.randn(out_f, in_f, device="cuda")
-    p, a, s = cuda.quantize(w, cb, k, "e4m4")
+    p, a, s = kernels.quantize(w, cb, k, "e4m4")
     x = torch.randn(2, in_f, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(2, out_f, device="cuda", dtype=torch.bfloat16)
     wd = torch.empty(out_f, in_f, device="cuda", dtype=torch.bfloat16)
 
     def step():
-        cuda.linear_out(x, p, a, s, cb, k, in_f, None, y)
-        cuda.dequantize_out(p, a, s, cb, k, in_f, wd)
+        kernels.linear_out(x, p, a, s, cb, k, in_f, None, y)
+        kernels.dequantize_out(p, a, s, cb, k, in_f, wd)
 
     graph = _captured(step)
     x.copy_(torch.randn_like(x))
@@ -306,22 +298,18 @@ def test_cuda_graph_capture(shape):
     wd.zero_()
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(wd, cuda.dequantize(p, a, s, cb, k, in_f, torch.bfloat16))
-    assert torch.equal(y, cuda.linear(x, p, a, s, cb, k, in_f))
+    assert torch.equal(wd, kernels.dequantize(p, a, s, cb, k, in_f, torch.bfloat16))
+    assert torch.equal(y, kernels.linear(x, p, a, s, cb, k, in_f))
 
 
 @pytest.mark.parametrize("absmax_format", fmt.ABSMAX_FORMATS)
-@pytest.mark.parametrize("tiled", (False, True), ids=("planes", "tiled"))
-def test_reference_linear_cuda_graph_capture(absmax_format, tiled):
-    """The reference linear is what CUDA tensors run without the compiled library (cuda_backend._register), also inside
-    a captured decode step (static cache): after a warm-up call it must copy nothing from the host (format._on)."""
+def test_reference_linear_cuda_graph_capture(absmax_format):
+    """The reference linear is what CUDA tensors run without the compiled library (kbit_hf/backends/cuda/__init__.py,
+    register), also inside a captured decode step (static cache): after a warm-up call it must copy nothing from the
+    host (format._on). (Without the library no tiled layout is registered: the reference sees bit planes only.)"""
     k, out_f, in_f = 3, 48, 512
     cb = fmt.nf_codebook(k).cuda()
     p, a, s = reference.quantize(torch.randn(out_f, in_f, device="cuda"), cb, k, absmax_format)
-    if tiled:
-        if absmax_format != "e4m4":
-            pytest.skip("the tiled layout holds e4m4 scales")
-        p, a = fmt.tile(p, a, in_f, k)
     x = torch.randn(3, in_f, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(3, out_f, device="cuda", dtype=torch.bfloat16)
 
@@ -341,16 +329,15 @@ def test_gemv_chain_reads_the_previous_output(M):
     """GEMVs that each read the previous one's output, back to back on one stream (each must see the output of the
     kernel before it), eager and replayed from a CUDA graph into NaN-poisoned buffers with new inputs; against a
     float64 chain of the dequantized weights."""
-    cuda = _cuda()
     k, n, depth = 4, 1024, 6
     cb = fmt.nf_codebook(k).cuda()
-    layers = [cuda.quantize(torch.randn(n, n, device="cuda") / 32, cb, k, "e4m4") for _ in range(depth)]
-    ws = [cuda.dequantize(p, a, s, cb, k, n, torch.float64) for p, a, s in layers]
+    layers = [kernels.quantize(torch.randn(n, n, device="cuda") / 32, cb, k, "e4m4") for _ in range(depth)]
+    ws = [kernels.dequantize(p, a, s, cb, k, n, torch.float64) for p, a, s in layers]
     bufs = [torch.empty(M, n, device="cuda", dtype=torch.bfloat16) for _ in range(depth + 1)]
 
     def chain():
         for i, (p, a, s) in enumerate(layers):
-            cuda.linear_out(bufs[i], p, a, s, cb, k, n, None, bufs[i + 1])
+            kernels.linear_out(bufs[i], p, a, s, cb, k, n, None, bufs[i + 1])
 
     def check():
         ref = bufs[0].double()
@@ -376,7 +363,6 @@ def test_gemv_chain_reads_the_previous_output(M):
 
 def test_huge_tensor():
     """> 2^31 elements: 64-bit indexing in quantize and dequantize."""
-    cuda = _cuda()
     free, _ = torch.cuda.mem_get_info()
     out_f, in_f, k = 65539, 32800, 2  # 2.15e9 elements, in % 32 != 0
     if free < 16 * 2**30:
@@ -384,14 +370,14 @@ def test_huge_tensor():
     cb = fmt.nf_codebook(k).cuda()
     w = torch.randn(out_f, in_f, device="cuda", dtype=torch.bfloat16)
     w[-1, -1] = 100.0  # the tensor max sits in the checked tail rows, so their reference scale is the tensor's
-    p, a, s = cuda.quantize(w, cb, k, "e4m4")
+    p, a, s = kernels.quantize(w, cb, k, "e4m4")
     tail = slice(out_f - 3, out_f)
     rp, ra, rs = reference.quantize(w[tail].cpu(), cb.cpu(), k, "e4m4")
     assert torch.equal(s.cpu(), rs)
     assert torch.equal(p[tail].cpu().view(torch.int32), rp.view(torch.int32))
     assert torch.equal(a[tail].cpu(), ra)
     del w
-    y = cuda.dequantize(p, a, s, cb, k, in_f, torch.bfloat16)
+    y = kernels.dequantize(p, a, s, cb, k, in_f, torch.bfloat16)
     ref = reference.dequantize(rp, ra, rs, cb.cpu(), k, in_f, torch.bfloat16)
     assert torch.equal(y[tail].cpu(), ref)
     head = reference.dequantize(p[:2].cpu(), a[:2].cpu(), s.cpu(), cb.cpu(), k, in_f, torch.bfloat16)
@@ -416,6 +402,6 @@ def test_gemv_scales_and_tails(k, dtype, absmax_format):
         x = torch.randn(M, in_f, generator=g).to(dtype)
         ref, mag = _ref_linear64(x, p, a, s, cb, k, in_f)
         out = torch.full((M, out_f), float("nan"), dtype=dtype, device="cuda")
-        _cuda().linear_out(x.cuda(), p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, in_f, None, out)
+        kernels.linear_out(x.cuda(), p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, in_f, None, out)
         # row 5 (x30) dominates the norm, so a bound on it would be one output's relative error: per element only
         _assert_linear_close(out, ref, mag, dtype, rel_w=GEMV_REL_W[dtype], norm_check=False)
