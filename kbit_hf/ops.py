@@ -184,6 +184,11 @@ def register_backend(device_type: str, *, quantize: Callable, dequantize: Callab
             table[device_type] = fn
 
 
+def _device_type(x) -> str:
+    # x.is_cuda / x.is_cpu are cheaper than building x.device: this runs once per layer and token
+    return "cuda" if x.is_cuda else "cpu" if x.is_cpu else x.device.type
+
+
 def _eager(x) -> bool:
     # The direct path bypasses the op's autograd formula and is invisible to torch.compile.
     return not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling()
@@ -191,7 +196,7 @@ def _eager(x) -> bool:
 
 def linear_forward(x, packed, absmax, scale, codebook, k: int, in_features: int, bias=None):
     """What KbitLinear.forward runs: a backend's eager path where it has one, else the `kbit::linear` op."""
-    fast = _EAGER_LINEAR.get(x.device.type)
+    fast = _EAGER_LINEAR.get(_device_type(x))
     if fast is not None and _eager(x):
         return fast(x, packed, absmax, scale, codebook, k, in_features, bias)
     return torch.ops.kbit.linear(x, packed, absmax, scale, codebook, k, in_features, bias)
@@ -199,7 +204,7 @@ def linear_forward(x, packed, absmax, scale, codebook, k: int, in_features: int,
 
 def expert_linear_forward(x, expert_ids, packed, absmax, scale, codebook, k: int, in_features: int):
     """What KbitMoE runs per projection: a backend's eager path where it has one, else the `kbit::expert_linear` op."""
-    fast = _EAGER_EXPERT_LINEAR.get(x.device.type)
+    fast = _EAGER_EXPERT_LINEAR.get(_device_type(x))
     if fast is not None and _eager(x):
         return fast(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
     return torch.ops.kbit.expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
