@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from . import format as fmt
+
+
+def matches_module(name: str, pattern: str) -> bool:
+    """A pattern matches when it equals the dotted path or a run of whole dotted components of it."""
+    return re.search(rf"(^|\.){re.escape(pattern)}(\.|$)", name) is not None
 
 # Bumped whenever the meaning of stored tensors changes; a loader refuses a format it does not know.
 FORMAT_VERSION = 1
@@ -30,6 +36,8 @@ class KbitConfig(QuantizationConfigMixin):
             a quarter of the bytes of a K=4 Llama-3-8B. Off by default, like bitsandbytes, HQQ and torchao. A model
             whose head is tied to its input embeddings refuses it (the embeddings must stay a float table).
         dequantize: when loading a kbit checkpoint, dequantize it back to ordinary `nn.Linear`/experts weights.
+        module_k: per-module k, e.g. {"down_proj": 5, "self_attn": 5, "lm_head": 5} under k=3: module names or runs
+            of dotted components (as in `modules_to_not_convert`) mapped to k; the most specific match wins.
     """
 
     def __init__(
@@ -40,6 +48,7 @@ class KbitConfig(QuantizationConfigMixin):
         modules_to_not_convert: list[str] | None = None,
         quantize_lm_head: bool = False,
         dequantize: bool = False,
+        module_k: dict[str, int] | None = None,
         format_version: int = FORMAT_VERSION,
         **kwargs: Any,
     ):
@@ -55,6 +64,7 @@ class KbitConfig(QuantizationConfigMixin):
         self.modules_to_not_convert = modules_to_not_convert
         self.quantize_lm_head = quantize_lm_head
         self.dequantize = dequantize
+        self.module_k = module_k
         self.format_version = format_version
         self.post_init()
 
@@ -62,7 +72,19 @@ class KbitConfig(QuantizationConfigMixin):
         """Validate every field; raise ValueError naming the field."""
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k not in fmt.SUPPORTED_K:
             raise ValueError(f"k: must be one of {fmt.SUPPORTED_K}, got {self.k!r}")
-        if self.k == 2:
+        if self.module_k is not None:
+            if not isinstance(self.module_k, dict):
+                raise ValueError(f"module_k: must map module names to k, e.g. {{'down_proj': 5}}, got {self.module_k!r}")
+            for name, value in self.module_k.items():
+                if not isinstance(name, str) or not name:
+                    raise ValueError(f"module_k: keys must be non-empty module names, got {name!r}")
+                if isinstance(value, bool) or not isinstance(value, int) or value not in fmt.SUPPORTED_K:
+                    raise ValueError(f"module_k[{name!r}]: must be one of {fmt.SUPPORTED_K}, got {value!r}")
+            if isinstance(self.codebook, (list, tuple)) and any(v != self.k for v in self.module_k.values()):
+                raise ValueError(f"module_k: a custom codebook list holds {len(self.codebook)} values for k={self.k}; "
+                                 "modules at another k need a named codebook ('nf0' or 'nf')")
+            self.module_k = dict(self.module_k)
+        if self.k == 2 or 2 in (self.module_k or {}).values():
             warnings.warn("k=2: round-to-nearest at 2.25 bits per weight breaks the models measured so far (SmolLM2-135M "
                           "perplexity 5e9, docs/quality.md); it is offered for experiments, use k >= 3 for a usable "
                           "model", UserWarning, stacklevel=3)
@@ -98,10 +120,20 @@ class KbitConfig(QuantizationConfigMixin):
 
     @property
     def bits_per_weight(self) -> float:
+        """Bits per weight of the modules at the base `k` (module_k changes it per module)."""
         return fmt.bits_per_weight(self.k, self.absmax_format)
 
-    def codebook_tensor(self):
-        return fmt.make_codebook(self.k, self.codebook)
+    def k_for(self, module_name: str) -> int:
+        """The k of a module: the most specific `module_k` pattern that matches its dotted name (the one with the
+        most components; a pattern matches as in `modules_to_not_convert`), else `k`."""
+        best, best_len = self.k, -1
+        for pattern, k in (self.module_k or {}).items():
+            if matches_module(module_name, pattern) and pattern.count(".") > best_len:
+                best, best_len = k, pattern.count(".")
+        return best
+
+    def codebook_tensor(self, k: int | None = None):
+        return fmt.make_codebook(self.k if k is None else k, self.codebook)
 
     def get_loading_attributes(self) -> dict[str, Any]:
         # What a user's config may change when loading an already-quantized checkpoint.
@@ -117,6 +149,7 @@ class KbitConfig(QuantizationConfigMixin):
                                        else list(self.modules_to_not_convert)),
             "quantize_lm_head": self.quantize_lm_head,
             "dequantize": self.dequantize,
+            "module_k": None if self.module_k is None else dict(self.module_k),
             "format_version": self.format_version,
         }
 
