@@ -98,3 +98,32 @@ def test_to_dict_is_a_copy():
     cfg = KbitConfig(modules_to_not_convert=["q_proj"])
     cfg.to_dict()["modules_to_not_convert"].append("k_proj")
     assert cfg.modules_to_not_convert == ["q_proj"]
+
+
+def test_module_k_picks_the_most_specific_pattern_and_round_trips():
+    cfg = KbitConfig(k=3, module_k={"down_proj": 5, "self_attn": 5, "model.layers.0.self_attn": 4})
+    assert cfg.k_for("model.layers.1.mlp.down_proj") == 5
+    assert cfg.k_for("model.layers.0.self_attn.q_proj") == 4  # more components than "self_attn"
+    assert cfg.k_for("model.layers.10.self_attn.q_proj") == 5
+    assert cfg.k_for("model.layers.1.mlp.up_proj") == 3
+    assert cfg.k_for("model.layers.1.mlp.down_projection") == 3  # whole components only
+    again = KbitConfig.from_dict(cfg.to_dict())
+    assert again == cfg and again.module_k == cfg.module_k and again.k_for("x.down_proj") == 5
+
+
+@pytest.mark.parametrize("module_k,match", [
+    ({"down_proj": 6}, r"module_k\['down_proj'\]: must be one of"),
+    ({"down_proj": True}, r"module_k\['down_proj'\]"),
+    ({"": 4}, "module_k: keys must be non-empty"),
+    (["down_proj"], "module_k: must map module names to k"),
+])
+def test_module_k_bad_values_name_the_field(module_k, match):
+    with pytest.raises(ValueError, match=match):
+        KbitConfig(k=3, module_k=module_k)
+
+
+def test_module_k_with_a_custom_codebook_needs_one_k():
+    values = [-1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 0.75, 1.0]
+    with pytest.raises(ValueError, match="module_k: a custom codebook list holds 8 values for k=3"):
+        KbitConfig(k=3, codebook=values, module_k={"down_proj": 5})
+    assert KbitConfig(k=3, codebook=values, module_k={"down_proj": 3}).k_for("a.down_proj") == 3
