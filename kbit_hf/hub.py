@@ -16,6 +16,12 @@ from . import format as fmt
 
 _ACTIVE_CONFIG: contextvars.ContextVar = contextvars.ContextVar("kbit_active_config", default=None)
 _SECTION_TITLE = "## kbit quantization"
+# Nothing in a checkpoint makes transformers import the package of its quantization method (no entry points; auto_map
+# code runs only with trust_remote_code=True), so the card says what a load without kbit_hf does.
+LOAD_NOTE = ("Loading needs `pip install kbit_hf` and `import kbit_hf` before `from_pretrained`: transformers does not "
+             "import it by itself. Without it, transformers logs \"Unknown quantization type, got kbit\", skips the "
+             "quantization and stops with a size-mismatch report; with `ignore_mismatched_sizes=True` it would return "
+             "a model with random weights instead.")
 
 
 def card_section(config) -> str:
@@ -34,7 +40,8 @@ def card_section(config) -> str:
         f"({config.bits_per_weight:g} bits per weight){head}. {kept} stay in full precision{extra}.\n\n"
         "```python\nimport kbit_hf  # registers the 'kbit' quantization method\n"
         "from transformers import AutoModelForCausalLM\n"
-        "model = AutoModelForCausalLM.from_pretrained(\"<this repo>\", device_map=\"auto\")\n```\n"
+        "model = AutoModelForCausalLM.from_pretrained(\"<this repo>\", device_map=\"auto\")\n```\n\n"
+        f"{LOAD_NOTE}\n"
     )
 
 

@@ -143,6 +143,25 @@ class KbitLinear(nn.Linear):
         return ops.dequantize(self.weight, self.weight_absmax, self.weight_scale, self.weight_codebook, self.k,
                               self.in_features, dtype)
 
+    def set_weight_(self, weight: torch.Tensor) -> None:
+        """Store the float `weight` [out, in] quantized into this layer's format (its k, stored codebook and
+        absmax_format), in the layout the backends want on the layer's device. Used to merge LoRA adapters
+        (kbit_hf/peft_integration.py): the result is exactly what quantizing `weight` from scratch gives."""
+        if not self.is_packed:
+            raise ValueError("set_weight_: this KbitLinear holds a float placeholder (an on-the-fly load that has not "
+                             "quantized it yet), not a packed weight")
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"set_weight_: weight has shape {tuple(weight.shape)}, the layer is "
+                             f"{(self.out_features, self.in_features)}")
+        if self.weight.is_meta:
+            raise ValueError("set_weight_: the layer's weight is offloaded (a meta tensor under accelerate's hooks); "
+                             "load the model without disk or CPU offload to change its weights")
+        codebook = self.weight_codebook.detach()
+        packed, absmax, scale = ops.quantize(weight.detach().to(codebook.device, torch.float32).contiguous(), codebook,
+                                             self.k, self.absmax_format)
+        self.weight, self.weight_absmax, self.weight_scale = _frozen(packed), _frozen(absmax), _frozen(scale)
+        self.use_device_layout_()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear_forward(x, self.weight, self.weight_absmax, self.weight_scale, self.weight_codebook,
                                   self.k, self.in_features, self.bias)

@@ -49,6 +49,14 @@ class KbitQuantize(ConversionOps):
         value = value[0] if isinstance(value, (list, tuple)) else value
         module, name = _module_of(model, target)
         prefix = target[: -len(name)]
+        # transformers turns an exception raised here into a generic "conversion" RuntimeError after a load report
+        # that repeats the traceback per tensor (core_model_loading.log_conversion_errors), so a non-finite tensor is
+        # recorded instead and _process_model_after_weight_loading raises kbit's error before anything is returned
+        problem = _nonfinite_problem(target, value, isinstance(module, KbitMoE))
+        if problem is not None:
+            self.hf_quantizer.nonfinite_tensors.append(problem)
+        if self.hf_quantizer.nonfinite_tensors:  # the load will fail: check the rest, quantize nothing more
+            return {prefix + key: tensor for key, tensor in _empty_outputs(module, name, value).items()}
         return {prefix + key: tensor for key, tensor in module.quantize_param(name, value).items()}
 
 
@@ -59,6 +67,8 @@ class KbitHfQuantizer(HfQuantizer):
     def __init__(self, quantization_config: KbitConfig, **kwargs):
         super().__init__(quantization_config, **kwargs)
         self.modules_to_not_convert: list[str] = []
+        # what is wrong with each float checkpoint tensor that holds NaN/Inf values (filled by KbitQuantize)
+        self.nonfinite_tensors: list[str] = []
 
     # ---- environment and placement -------------------------------------------------------------------------
     def validate_environment(self, *args, device_map=None, **kwargs):
@@ -123,8 +133,9 @@ class KbitHfQuantizer(HfQuantizer):
         if getattr(model.config, "distributed_config", None) is not None or getattr(model, "_tp_size", None):
             raise NotImplementedError("kbit does not support tensor or expert parallelism yet; load without tp_plan")
         cfg = self.quantization_config
+        self.nonfinite_tensors = []
         if self.pre_quantized:
-            _check_checkpoint_dtypes(checkpoint_files, cfg.absmax_format)
+            _check_checkpoint_headers(checkpoint_files, cfg, model)
         elif cfg.dequantize:
             raise ValueError("dequantize=True turns a kbit checkpoint back into a float model when loading it; this "
                              "checkpoint is not kbit-quantized (leave dequantize=False to quantize it)")
@@ -148,6 +159,13 @@ class KbitHfQuantizer(HfQuantizer):
             logger.warning("kbit: no nn.Linear or fused experts module was found to quantize")
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        if self.nonfinite_tensors:
+            shown = self.nonfinite_tensors[:8]
+            more = len(self.nonfinite_tensors) - len(shown)
+            raise ValueError(
+                "kbit cannot quantize non-finite weights; the float checkpoint has NaN/Inf values in "
+                f"{len(self.nonfinite_tensors)} tensor(s): " + "; ".join(shown) + (f"; and {more} more" if more else "")
+            )
         self._check_loaded(model)
         _drop_kbit_weight_conversions(model)
         if self.pre_quantized and self.quantization_config.dequantize:
@@ -240,29 +258,106 @@ class KbitHfQuantizer(HfQuantizer):
 
 # how safetensors headers name the dtypes of the kbit tensors
 _SAFETENSORS_DTYPE = {torch.uint32: "U32", torch.uint8: "U8", torch.float16: "F16", torch.float32: "F32"}
+# the absmax_format a stored block-scale dtype means
+_ABSMAX_FORMAT_OF = {_SAFETENSORS_DTYPE[dtype]: name for name, dtype in fmt.ABSMAX_DTYPES.items()}
 
 
-def _check_checkpoint_dtypes(checkpoint_files, absmax_format: str) -> None:
-    """The stored dtypes of the kbit tensors, from the safetensors headers (no data read). transformers casts each
-    checkpoint tensor to its parameter's dtype while loading, so a packed weight stored as float32, or e4m4 scales
-    stored as fp16, would otherwise load as silently wrong values. A kbit tensor P is one with a P_absmax."""
+def _check_checkpoint_headers(checkpoint_files, cfg: KbitConfig, model) -> None:
+    """The stored dtypes and shapes of the kbit tensors against config.json, from the safetensors headers (no data
+    read), before anything loads. transformers casts each checkpoint tensor to its parameter's dtype while loading, so
+    a packed weight stored as float32, or e4m4 scales stored as fp16, would otherwise load as silently wrong values; a
+    config.json whose k disagrees with the tensors would end in transformers' generic size-mismatch report. A kbit
+    tensor P is one with a P_absmax."""
     from safetensors import safe_open
 
-    stored: dict[str, tuple[str, str]] = {}
+    stored: dict[str, tuple[str, tuple[int, ...], str]] = {}  # name -> (dtype, shape, file)
     for path in checkpoint_files or ():
         if str(path).endswith(".safetensors"):
             with safe_open(str(path), framework="pt") as f:
-                stored.update({key: (f.get_slice(key).get_dtype(), str(path)) for key in f.keys()})
-    absmax_dtype = _SAFETENSORS_DTYPE[fmt.ABSMAX_DTYPES[absmax_format]]
-    for key in stored:
-        if key + "_absmax" not in stored:
-            continue
-        for name, want in ((key, _SAFETENSORS_DTYPE[torch.uint32]), (key + "_absmax", absmax_dtype),
-                           (key + "_scale", _SAFETENSORS_DTYPE[torch.float32]),
-                           (key + "_codebook", _SAFETENSORS_DTYPE[torch.float32])):
-            if name in stored and stored[name][0] != want:
-                raise ValueError(f"kbit checkpoint {stored[name][1]}: {name} is stored as {stored[name][0]}, the "
-                                 f"format needs {want} (absmax_format={absmax_format!r})")
+                for key in f.keys():
+                    header = f.get_slice(key)
+                    stored[key] = (header.get_dtype(), tuple(header.get_shape()), str(path))
+    for key in sorted(stored):
+        if key + "_absmax" in stored:
+            _check_stored_kbit_tensor(key, stored, cfg, model)
+
+
+def _check_stored_kbit_tensor(key: str, stored: dict, cfg: KbitConfig, model) -> None:
+    says = "kbit checkpoint mismatch: config.json says"
+    absmax_dtype, absmax_shape, path = stored[key + "_absmax"]
+    want = _SAFETENSORS_DTYPE[fmt.ABSMAX_DTYPES[cfg.absmax_format]]
+    if absmax_dtype != want:
+        implied = _ABSMAX_FORMAT_OF.get(absmax_dtype)
+        which = (f"which is absmax_format={implied!r}" if implied else
+                 "which is no absmax_format (U8 is 'e4m4', F16 is 'fp16')")
+        raise ValueError(f"{says} absmax_format={cfg.absmax_format!r}, but {key}_absmax is stored as {absmax_dtype}, "
+                         f"{which} ({path})")
+    for name, want in ((key, "U32"), (key + "_scale", "F32"), (key + "_codebook", "F32")):
+        if name in stored and stored[name][0] != want:
+            raise ValueError(f"kbit checkpoint {stored[name][2]}: {name} is stored as {stored[name][0]}, the format "
+                             f"needs {want}")
+    packed_shape = stored[key][1]
+    if len(packed_shape) != len(absmax_shape) or packed_shape[:-1] != absmax_shape[:-1] or not absmax_shape[-1:]:
+        raise ValueError(f"kbit checkpoint {path}: {key} has shape {list(packed_shape)} and {key}_absmax "
+                         f"{list(absmax_shape)}; the format needs [..., out, blocks * k] and [..., out, blocks]")
+    blocks, words = absmax_shape[-1], packed_shape[-1]
+    if blocks and words != blocks * cfg.k:
+        implied = words // blocks if words % blocks == 0 and words // blocks in fmt.SUPPORTED_K else None
+        inputs = _in_features(model, key)
+        per_row = f"of {inputs} inputs" if inputs is not None else f"of {blocks} blocks"
+        which = (f"which is k={implied} ({blocks} blocks x {implied} words)" if implied else
+                 f"which is no k in {fmt.SUPPORTED_K} ({blocks} blocks, {words / blocks:g} words each)")
+        raise ValueError(f"{says} k={cfg.k}, but {key} has {words} words per row {per_row}, {which} ({path})")
+    if key + "_codebook" in stored:
+        codebook_shape = stored[key + "_codebook"][1]
+        if codebook_shape != (2**cfg.k,):
+            n = codebook_shape[0] if len(codebook_shape) == 1 else None
+            implied = next((k for k in fmt.SUPPORTED_K if 2**k == n), None)
+            which = f"the length of a k={implied} codebook" if implied else f"no k in {fmt.SUPPORTED_K}"
+            raise ValueError(f"{says} k={cfg.k} (a codebook of {2**cfg.k} values), but {key}_codebook has shape "
+                             f"{list(codebook_shape)}, {which} ({path})")
+
+
+def _in_features(model, key: str) -> int | None:
+    """The input width of the model's float weight that checkpoint key `key` loads into, where the names agree (a
+    checkpoint renamed on load, such as Mixtral's block_sparse_moe, gives None)."""
+    module_name, _, leaf = key.rpartition(".")
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError:
+        return None
+    if isinstance(module, nn.Linear) and leaf == "weight":
+        return module.in_features
+    param = getattr(module, leaf, None)
+    if isinstance(param, torch.Tensor) and param.dim() == 3:
+        return param.shape[-2] if getattr(module, "is_transposed", False) else param.shape[-1]
+    return None
+
+
+def _nonfinite_problem(name: str, value: torch.Tensor, experts: bool) -> str | None:
+    """None for a finite tensor, else what is wrong with it (the counts, and which experts of a fused tensor)."""
+    if value.numel() == 0 or not value.is_floating_point():
+        return None
+    lo, hi = torch.aminmax(value)  # one reduction: NaN reaches both ends, +-Inf one of them
+    if bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        return None
+    nan, inf = int(torch.isnan(value).sum()), int(torch.isinf(value).sum())
+    text = f"{name} has {nan} NaN and {inf} Inf value(s) among {value.numel()}"
+    if experts and value.dim() == 3:
+        bad = (~torch.isfinite(value)).flatten(1).any(1).nonzero().flatten().tolist()
+        text += f" (in expert(s) {bad})"
+    return text
+
+
+def _empty_outputs(module: nn.Module, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Packed-shape stand-ins for the quantized tensors of `value`, for a load that is going to fail: they keep the
+    loader's bookkeeping whole (no missing or mismatched keys to report) without quantizing anything."""
+    shape = tuple(value.shape)
+    if isinstance(module, KbitMoE) and module.is_transposed:
+        shape = (*shape[:-2], shape[-1], shape[-2])
+    packed, absmax, scale = fmt.empty_quantized(shape, module.k, module.absmax_format, value.device)
+    codebook = torch.empty(2**module.k, dtype=torch.float32, device=value.device)
+    return {name: packed, name + "_absmax": absmax, name + "_scale": scale, name + "_codebook": codebook}
 
 
 def _check_values(name: str, tensors: dict[str, torch.Tensor], absmax_format: str) -> None:

@@ -300,24 +300,12 @@ def test_tensor_parallel_is_refused(fp_folder):
 
 
 def test_nan_weights_fail_loudly(tmp_path):
-    import logging
-
     model = tiny_model("llama")
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight[3, 7] = float("nan")
     model.save_pretrained(tmp_path)
-    records = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("transformers").addHandler(handler)
-    # transformers collects conversion errors, logs a report naming each tensor and its error, then raises
-    try:
-        with pytest.raises(RuntimeError, match="conversion"):
-            AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=KbitConfig())
-    finally:
-        logging.getLogger("transformers").removeHandler(handler)
-    report = "\n".join(records)
-    assert "NaN/Inf" in report and "model.layers.1.mlp.down_proj.weight" in report
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.weight has 1 NaN"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=KbitConfig())
 
 
 def test_truncated_or_mismatched_checkpoints_fail_loudly(quantized, tmp_path):
