@@ -74,7 +74,8 @@ class KbitConfig(QuantizationConfigMixin):
             raise ValueError(f"k: must be one of {fmt.SUPPORTED_K}, got {self.k!r}")
         if self.module_k is not None:
             if not isinstance(self.module_k, dict):
-                raise ValueError(f"module_k: must map module names to k, e.g. {{'down_proj': 5}}, got {self.module_k!r}")
+                raise ValueError(f"module_k: must map module names to k, e.g. {{'down_proj': 5}}, got "
+                                 f"{self.module_k!r}")
             for name, value in self.module_k.items():
                 if not isinstance(name, str) or not name:
                     raise ValueError(f"module_k: keys must be non-empty module names, got {name!r}")
@@ -85,9 +86,9 @@ class KbitConfig(QuantizationConfigMixin):
                                  "modules at another k need a named codebook ('nf0' or 'nf')")
             self.module_k = dict(self.module_k)
         if self.k == 2 or 2 in (self.module_k or {}).values():
-            warnings.warn("k=2: round-to-nearest at 2.25 bits per weight breaks the models measured so far (SmolLM2-135M "
-                          "perplexity 5e9, docs/quality.md); it is offered for experiments, use k >= 3 for a usable "
-                          "model", UserWarning, stacklevel=3)
+            warnings.warn("k=2: round-to-nearest at 2.25 bits per weight breaks the models measured so far "
+                          "(SmolLM2-135M perplexity 5e9, docs/quality.md); it is offered for experiments, use k >= 3 "
+                          "for a usable model", UserWarning, stacklevel=3)
         if isinstance(self.codebook, str):
             if self.codebook not in fmt.NAMED_CODEBOOKS:
                 raise ValueError(f"codebook: unknown codebook name {self.codebook!r} (expected one of "

@@ -32,6 +32,9 @@ def card_section(config) -> str:
     kept = ("Tied embeddings and MoE routers" if config.quantize_lm_head
             else "The output head, tied embeddings and MoE routers")
     extra = ", as do: " + ", ".join(config.modules_to_not_convert) if config.modules_to_not_convert else ""
+    mixed = getattr(config, "module_k", None)
+    if mixed:
+        head += "; per-module k: " + ", ".join(f"{name} k={k}" for name, k in mixed.items())
     return (
         f"{_SECTION_TITLE}\n\n"
         f"This model's linear layers and MoE experts are quantized with "

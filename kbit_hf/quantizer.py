@@ -18,18 +18,13 @@ from transformers.quantizers.base import HfQuantizer, get_keys_to_not_convert
 from transformers.utils import logging
 
 from . import format as fmt
-from .config import KbitConfig
+from .config import KbitConfig, matches_module
 from .modules import COMPANIONS, KbitLinear, KbitMoE, is_fused_experts
 
 logger = logging.get_logger(__name__)
 
 # Leaf names of MoE routers / gates that are nn.Linear in some families; they stay in full precision.
 ROUTER_NAMES = ("gate", "router", "shared_expert_gate")
-
-
-def matches_module(name: str, pattern: str) -> bool:
-    """A pattern matches when it equals the dotted path or a run of whole dotted components of it."""
-    return re.search(rf"(^|\.){re.escape(pattern)}(\.|$)", name) is not None
 
 
 def _module_of(model: nn.Module, param_name: str) -> tuple[nn.Module, str]:
@@ -97,13 +92,17 @@ class KbitHfQuantizer(HfQuantizer):
     def param_element_size(self, model, param_name: str, param: torch.Tensor) -> float:
         # Float placeholders of an on-the-fly load will hold k bits per element; companions count themselves.
         if param.is_floating_point() and self.param_needs_quantization(model, param_name):
-            return self.quantization_config.k / 8
+            return _module_of(model, param_name)[0].k / 8
         return param.element_size()
 
     # ---- module swap ---------------------------------------------------------------------------------------
     def _skip_list(self, model) -> list[str]:
         skip = set(get_keys_to_not_convert(model))
-        if self.quantization_config.quantize_lm_head:
+        cfg = self.quantization_config
+        head = model.get_output_embeddings()
+        head_names = {n for n, m in model.named_modules() if head is not None and m is head}
+        head_in_module_k = any(matches_module(n, p) for n in head_names for p in (cfg.module_k or {}))
+        if cfg.quantize_lm_head or head_in_module_k:  # a module_k entry for the head asks for it to be quantized
             skip -= self._lm_head_names(model)
         skip.update(self.quantization_config.modules_to_not_convert or [])
         skip.update(getattr(model, "_keep_in_fp32_modules", None) or [])
@@ -115,13 +114,14 @@ class KbitHfQuantizer(HfQuantizer):
         head = model.get_output_embeddings()
         names = {n for n, m in model.named_modules() if head is not None and m is head}
         if not names or not isinstance(head, nn.Linear):
-            raise ValueError(f"quantize_lm_head=True, but {type(model).__name__} has no nn.Linear output head to "
+            raise ValueError(f"quantize_lm_head=True (or a module_k entry for the head), but {type(model).__name__} "
+                             "has no nn.Linear output head to "
                              "quantize")
         tied = {key.removesuffix(".weight") for pair in model.all_tied_weights_keys.items() for key in pair}
         if names & tied:
-            raise ValueError(f"quantize_lm_head=True, but this model ties its output head {sorted(names)} to the input "
-                             "embeddings (tie_word_embeddings=True), which must stay a float table; load it with "
-                             "quantize_lm_head=False")
+            raise ValueError(f"quantize_lm_head=True (or a module_k entry for the head), but this model ties its "
+                             f"output head {sorted(names)} to the input embeddings (tie_word_embeddings=True), which "
+                             "must stay a float table; load it with quantize_lm_head=False and no module_k for it")
         return names
 
     def _should_convert(self, name: str) -> bool:
@@ -140,17 +140,20 @@ class KbitHfQuantizer(HfQuantizer):
             raise ValueError("dequantize=True turns a kbit checkpoint back into a float model when loading it; this "
                              "checkpoint is not kbit-quantized (leave dequantize=False to quantize it)")
         self.modules_to_not_convert = self._skip_list(model)
-        codebook = cfg.codebook_tensor()
+        codebooks: dict[int, torch.Tensor] = {}
         replaced = 0
         for name, module in list(model.named_modules()):
             if not name or not self._should_convert(name):
                 continue
+            k = cfg.k_for(name)
+            if k not in codebooks:
+                codebooks[k] = cfg.codebook_tensor(k)
             if isinstance(module, nn.Linear) and not isinstance(module, KbitLinear):
-                new = KbitLinear(module.in_features, module.out_features, module.bias is not None, cfg.k,
-                                 cfg.absmax_format, codebook, pre_quantized=self.pre_quantized,
+                new = KbitLinear(module.in_features, module.out_features, module.bias is not None, k,
+                                 cfg.absmax_format, codebooks[k], pre_quantized=self.pre_quantized,
                                  dtype=module.weight.dtype, device=module.weight.device)
             elif is_fused_experts(module) and not isinstance(module, KbitMoE):
-                new = KbitMoE(module, cfg.k, cfg.absmax_format, codebook, pre_quantized=self.pre_quantized)
+                new = KbitMoE(module, k, cfg.absmax_format, codebooks[k], pre_quantized=self.pre_quantized)
             else:
                 continue
             model.set_submodule(name, new)
@@ -175,7 +178,8 @@ class KbitHfQuantizer(HfQuantizer):
             # swaps them in per forward)
             if isinstance(module, KbitLinear) and not hasattr(module, "_hf_hook"):
                 module.use_device_layout_()
-        model.add_model_tags(["kbit", f"kbit-{self.quantization_config.k}bit"])
+        cfg = self.quantization_config
+        model.add_model_tags(["kbit", f"kbit-{cfg.k}bit"] + (["kbit-mixed"] if cfg.module_k else []))
         from .hub import install_model_card_hooks
 
         install_model_card_hooks(model)
@@ -185,9 +189,9 @@ class KbitHfQuantizer(HfQuantizer):
         """Every kbit tensor must be packed and of the exact shape/dtype the format requires (5.17 does not check),
         hold values the format allows (_check_values), and every float parameter of a kbit module must have been
         loaded (transformers leaves them alone: the modules are marked initialized)."""
-        k = self.quantization_config.k
         absmax_dtype = fmt.ABSMAX_DTYPES[self.quantization_config.absmax_format]
         for mod_name, module in model.named_modules():
+            k = getattr(module, "k", None)
             if isinstance(module, KbitLinear):
                 items = [("weight", (module.out_features, module.in_features))]
             elif isinstance(module, KbitMoE):
@@ -201,7 +205,8 @@ class KbitHfQuantizer(HfQuantizer):
                 expected = fmt.packed_shapes(shape_oi, k)
                 got = {s: getattr(module, name + s) for s in ("",) + COMPANIONS}
                 want = {"": (expected["packed"], torch.uint32), "_absmax": (expected["absmax"], absmax_dtype),
-                        "_scale": (expected["scale"], torch.float32), "_codebook": (expected["codebook"], torch.float32)}
+                        "_scale": (expected["scale"], torch.float32),
+                        "_codebook": (expected["codebook"], torch.float32)}
                 for suffix, (shape, dtype) in want.items():
                     t = got[suffix]
                     # an offloaded tensor (accelerate keeps it on disk / in CPU RAM) is a meta placeholder here
@@ -301,20 +306,21 @@ def _check_stored_kbit_tensor(key: str, stored: dict, cfg: KbitConfig, model) ->
         raise ValueError(f"kbit checkpoint {path}: {key} has shape {list(packed_shape)} and {key}_absmax "
                          f"{list(absmax_shape)}; the format needs [..., out, blocks * k] and [..., out, blocks]")
     blocks, words = absmax_shape[-1], packed_shape[-1]
-    if blocks and words != blocks * cfg.k:
+    k = cfg.k_for(key.rpartition(".")[0])  # the module a packed tensor belongs to (module_k)
+    if blocks and words != blocks * k:
         implied = words // blocks if words % blocks == 0 and words // blocks in fmt.SUPPORTED_K else None
         inputs = _in_features(model, key)
         per_row = f"of {inputs} inputs" if inputs is not None else f"of {blocks} blocks"
         which = (f"which is k={implied} ({blocks} blocks x {implied} words)" if implied else
                  f"which is no k in {fmt.SUPPORTED_K} ({blocks} blocks, {words / blocks:g} words each)")
-        raise ValueError(f"{says} k={cfg.k}, but {key} has {words} words per row {per_row}, {which} ({path})")
+        raise ValueError(f"{says} k={k}, but {key} has {words} words per row {per_row}, {which} ({path})")
     if key + "_codebook" in stored:
         codebook_shape = stored[key + "_codebook"][1]
-        if codebook_shape != (2**cfg.k,):
+        if codebook_shape != (2**k,):
             n = codebook_shape[0] if len(codebook_shape) == 1 else None
             implied = next((k for k in fmt.SUPPORTED_K if 2**k == n), None)
             which = f"the length of a k={implied} codebook" if implied else f"no k in {fmt.SUPPORTED_K}"
-            raise ValueError(f"{says} k={cfg.k} (a codebook of {2**cfg.k} values), but {key}_codebook has shape "
+            raise ValueError(f"{says} k={k} (a codebook of {2**k} values), but {key}_codebook has shape "
                              f"{list(codebook_shape)}, {which} ({path})")
 
 

@@ -510,3 +510,29 @@ def test_moe_sentinel_expert_ids_contribute_nothing(family, quantized):
             sent = idx.clone()
             sent[:, 1] = sentinel
             torch.testing.assert_close(moe(h, sent, w), want)
+
+
+def test_module_k_quantizes_each_module_at_its_k_and_reloads(fp_folder, tmp_path):
+    path, _ = fp_folder("qwen3_moe")
+    cfg = KbitConfig(k=3, module_k={"self_attn": 5, "mlp.experts": 4, "lm_head": 5})
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg)
+    ks = {name: m.k for name, m in model.named_modules() if isinstance(m, (KbitLinear, KbitMoE))}
+    assert ks["model.layers.0.self_attn.q_proj"] == 5 and ks["model.layers.0.mlp.experts"] == 4
+    head_tied = model.config.tie_word_embeddings
+    assert ("lm_head" in ks) == (not head_tied) and ks.get("lm_head", 5) == 5  # a module_k entry quantizes the head
+    assert all(k == 3 for name, k in ks.items() if "self_attn" not in name and "experts" not in name
+               and name != "lm_head")
+    model.save_pretrained(tmp_path)
+    saved = json.load(open(os.path.join(tmp_path, "config.json")))["quantization_config"]
+    assert saved["module_k"] == cfg.module_k
+    again = AutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, model(ids).logits)
+    # a config.json that gives the attention another k than its tensors hold names the module's k
+    saved["module_k"] = {"self_attn": 4, "mlp.experts": 4, "lm_head": 5}
+    conf = json.load(open(os.path.join(tmp_path, "config.json")))
+    conf["quantization_config"] = saved
+    json.dump(conf, open(os.path.join(tmp_path, "config.json"), "w"))
+    with pytest.raises(ValueError, match=r"config.json says k=4, but model\.layers\.0\.self_attn\.\w+\.weight has"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
