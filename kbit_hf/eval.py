@@ -147,6 +147,28 @@ def scored_tokens(n_tokens: int, seq_len: int) -> tuple[int, int]:
     return windows * seq_len, windows * (seq_len - 1)
 
 
+def bits_per_weight(model: nn.Module) -> float:
+    """Average stored bits per weight over the modules kbit quantized (indices, block scales, per-tensor scales and
+    codebooks, biases excluded)."""
+    from .modules import KbitLinear, KbitMoE
+
+    bits = weights = 0
+    for module in model.modules():
+        if isinstance(module, KbitLinear):
+            names, n = ("weight",), {"weight": module.in_features * module.out_features}
+        elif isinstance(module, KbitMoE):
+            names = module.quantized_names
+            n = {name: getattr(module, name + "_absmax").shape[:2].numel() * module.in_features[name]
+                 for name in names}
+        else:
+            continue
+        for name in names:
+            weights += n[name]
+            bits += 8 * sum(getattr(module, name + s).numel() * getattr(module, name + s).element_size()
+                            for s in ("", "_absmax", "_scale", "_codebook"))
+    return bits / weights if weights else float("nan")
+
+
 def linear_bytes(model: nn.Module) -> int:
     """Bytes held by the layers kbit quantizes: every KbitLinear/KbitMoE (packed weights, scales, codebook, bias),
     or, in an unquantized model, every nn.Linear except the output head (which kbit keeps in full precision)."""
@@ -175,14 +197,16 @@ def device_description(device: str) -> str:
     return f"CPU: {name}, {os.cpu_count()} logical cores, torch threads {torch.get_num_threads()}"
 
 
-def _load(folder: str, k: int | None, absmax_format: str, device: str, codebook: str = "nf0"):
+def _load(folder: str, k: int | None, absmax_format: str, device: str, codebook: str = "nf0",
+          module_k: dict[str, int] | None = None):
     from transformers import AutoModelForCausalLM
 
     from .config import KbitConfig
 
     kwargs = {"dtype": torch.float32}
     if k is not None:
-        kwargs["quantization_config"] = KbitConfig(k=k, absmax_format=absmax_format, codebook=codebook)
+        kwargs["quantization_config"] = KbitConfig(k=k, absmax_format=absmax_format, codebook=codebook,
+                                                   module_k=module_k)
     if device.startswith("cuda"):
         kwargs["device_map"] = device
     elif torch.cuda.is_available():
@@ -202,24 +226,29 @@ def run_perplexity(args) -> list[dict]:
     fed, predicted = scored_tokens(ids.numel(), args.seq_len)
     print(f"text: {ids.numel()} tokens; {fed} fed in windows of {args.seq_len}, {predicted} predicted; "
           f"device: {device_description(device)}", flush=True)
-    runs: list[tuple[int | None, str, str]] = [(None, "-", "-")]
-    runs += [(k, f, c) for c in args.codebook for f in args.absmax_format for k in args.k]
+    runs: list[tuple[int | None, str, str, dict | None]] = [(None, "-", "-", None)]
+    runs += [(k, f, c, None) for c in args.codebook for f in args.absmax_format for k in args.k]
     for extra in args.extra:
         k, f, c = (extra.split("/") + ["", ""])[:3]
-        runs.append((int(k), f or "e4m4", c or "nf0"))
+        runs.append((int(k), f or "e4m4", c or "nf0", None))
+    for mixed in args.mixed:
+        base, _, rest = mixed.partition(":")
+        runs.append((int(base), "e4m4", "nf0", {n: int(v) for n, v in (p.split("=") for p in rest.split(",") if p)}))
     rows = []
-    for k, absmax_format, codebook in runs:
+    for k, absmax_format, codebook, module_k in runs:
         label = "fp32" if k is None else f"k={k} {absmax_format} {codebook}"
+        if module_k:
+            label += " " + ",".join(f"{n}={v}" for n, v in module_k.items())
         t0 = time.perf_counter()
-        model = _load(folder, k, absmax_format, device, codebook)
+        model = _load(folder, k, absmax_format, device, codebook, module_k)
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         ppl = perplexity(model, tokenizer, ids, seq_len=args.seq_len, batch_size=args.batch_size,
                          progress=not args.quiet)
         eval_s = time.perf_counter() - t0
         row = {
-            "label": label, "k": k, "absmax_format": absmax_format, "codebook": codebook,
-            "bits": 32.0 if k is None else fmt.bits_per_weight(k, absmax_format),
+            "label": label, "k": k, "absmax_format": absmax_format, "codebook": codebook, "module_k": module_k,
+            "bits": 32.0 if k is None else bits_per_weight(model),
             "ppl": ppl, "mb": linear_bytes(model) / 1e6, "load_s": load_s, "eval_s": eval_s,
         }
         rows.append(row)
@@ -231,8 +260,10 @@ def run_perplexity(args) -> list[dict]:
              "|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         k = "fp32" if r["k"] is None else str(r["k"])
-        table.append(f"| {k} | {r['codebook']} | {r['absmax_format']} | {r['bits']:g} | {r['ppl']:.3f} | {r['ppl'] / fp:.4f} | "
-                     f"{r['mb']:.1f} |")
+        if r["module_k"]:
+            k += " (" + ", ".join(f"{n} {v}" for n, v in r["module_k"].items()) + ")"
+        table.append(f"| {k} | {r['codebook']} | {r['absmax_format']} | {r['bits']:.3g} | {r['ppl']:.3f} | "
+                     f"{r['ppl'] / fp:.4f} | {r['mb']:.1f} |")
     table_md = "\n".join(table)
     print("\n" + table_md)
     if args.out:
@@ -272,6 +303,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="one row per (codebook, format, K)")
     p.add_argument("--extra", nargs="*", default=[], metavar="K/FORMAT[/CODEBOOK]",
                    help="extra rows after the main grid, e.g. 4/fp16")
+    p.add_argument("--mixed", nargs="*", default=[], metavar="K:NAME=K[,NAME=K]",
+                   help="extra rows with per-module k (e4m4, nf0), e.g. 3:self_attn=4")
     p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens of the text")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=4)
