@@ -6,7 +6,7 @@ kbit checkpoints load back without re-quantizing.
 """
 
 from . import ops  # the torch.ops.kbit.* custom ops (reference implementations)
-from .backends import cuda as _cuda
+from .backends import cpu as _cpu, cuda as _cuda
 from .config import KbitConfig
 from .modules import KbitLinear, KbitMoE
 from .quantizer import KbitHfQuantizer
@@ -15,6 +15,7 @@ from ._register import register
 __version__ = "0.1.0"
 
 _cuda.register()  # the compiled CUDA kernels where the library is present
+_cpu.register()  # the compiled CPU kernels where the library is present
 register()
 
 __all__ = ["KbitConfig", "KbitHfQuantizer", "KbitLinear", "KbitMoE", "register", "__version__"]
