@@ -5,8 +5,7 @@ reload the packed model.
     python examples/quickstart.py [--k 4] [--out DIR]
 
 Prints both models' answers to the same prompt, their weight sizes and generation speed on this machine (the GPU if
-there is one, else the CPU, where kbit runs its slow pure-PyTorch reference ops), and checks that the saved folder
-reloads to identical logits.
+there is one, else the CPU) and checks that the saved folder reloads to identical logits.
 """
 
 from __future__ import annotations
@@ -87,7 +86,10 @@ def main() -> None:
             same = torch.equal(logits, reloaded(**inputs).logits)
 
     bits = kbit_hf.KbitConfig(k=args.k).bits_per_weight
-    where = torch.cuda.get_device_name() if on_gpu else "CPU (reference ops)"
+    from kbit_hf.backends import cpu
+
+    where = torch.cuda.get_device_name() if on_gpu else (
+        f"CPU ({cpu.isa()} kernels)" if cpu.available() else "CPU (pure-PyTorch reference ops)")
     print(f"\nprompt: {args.prompt}")
     print(f"  {str(dtype).removeprefix('torch.'):>9}: {float_answer}")
     print(f"  kbit K={args.k}: {kbit_answer}")
