@@ -106,6 +106,24 @@ def test_quantize_edge_values(isa):
             assert torch.equal(g, r)
 
 
+def test_block_scales_round_like_the_reference(isa):
+    """Every E4M4 value up to 16, every midpoint between two (ties go to the even code) and the floats next to each
+    midpoint, as block absmaxes of a tensor whose scale is 1; the same values for fp16 block scales."""
+    e4m4 = fmt.e4m4_table()
+    values = e4m4[e4m4 <= 16]
+    mids = ((values[:-1].double() + values[1:].double()) / 2).float()
+    near = torch.cat([torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(99.0))])
+    tiny = torch.tensor([2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-14 * 1.5, 65504 / 2.0**13])  # fp16 edges
+    a = torch.cat([values, mids, near, tiny, torch.tensor([16.0])]).clamp(max=16)
+    w = torch.zeros(1, 32 * a.numel())
+    w[0, ::32] = a  # one value per block: the block's absmax
+    w[0, 1::32] = -a / 3
+    for absmax_format in FORMATS:
+        for g, r in zip(kernels.quantize(w, fmt.nf0_codebook(3), 3, absmax_format),
+                        reference.quantize(w, fmt.nf0_codebook(3), 3, absmax_format)):
+            assert torch.equal(g, r), absmax_format
+
+
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("absmax_format", FORMATS)
 def test_dequantize_is_bit_exact(isa, k, absmax_format):
@@ -285,16 +303,21 @@ def test_tiny_model_decodes_the_same_tokens(family, tmp_path):
 
 @needs_lib
 def test_thread_counts_give_the_same_result():
-    """Rows are split between threads, never the sums of one row: any thread count gives the same bits."""
+    """Rows are split between threads (ranges that cross the matrices of an expert tensor), never the sums of one row:
+    any thread count gives the same bits, and quantize / dequantize stay the reference's."""
     cb = fmt.nf0_codebook(4)
-    p, a, s = reference.quantize(_weight((301, 1000), 1), cb, 4, "e4m4")
-    x = _random((3, 1000), torch.float32, 2)
+    w = _weight((3, 101, 700), 1)
+    want = reference.quantize(w, cb, 4, "e4m4")
+    want_w = reference.dequantize(*want, cb, 4, 700)
+    x = _random((3, 700), torch.float32, 2)
     threads = torch.get_num_threads()
+    results = []
     try:
-        results = []
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            results.append(kernels.linear(x, p, a, s, cb, 4, 1000))
+            assert all(torch.equal(g, r) for g, r in zip(kernels.quantize(w, cb, 4, "e4m4"), want))
+            assert torch.equal(kernels.dequantize(*want, cb, 4, 700), want_w)
+            results.append(kernels.linear(x, want[0][1], want[1][1], want[2][1], cb, 4, 700))
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(results[0], r) for r in results[1:])

@@ -26,8 +26,8 @@ enum Error : int { OK = 0, BAD_K = 1, BAD_DTYPE = 2, BAD_SHAPE = 3 };
 namespace {
 
 constexpr int64_t kRowGrain = 4;
-// Weights one call must decode per thread before a second thread joins (below, the team's start and barrier, a
-// few microseconds, cost more than the thread saves).
+// Weights one call must decode per thread (in GEMV units) before a second thread joins: below, the team's start and
+// barrier, a few microseconds, cost more than the thread saves.
 constexpr int64_t kMinWeightsPerThread = 32 * 1024;
 
 // ---- scalar row kernels ----------------------------------------------------------------------------------------
@@ -320,6 +320,7 @@ int kbit_cpu_absmax(const void* weight, int w_dtype, int64_t E, int64_t out, int
       float m = 0.f;
       if (w_dtype == F32) {
         const float* p = static_cast<const float*>(weight) + r * in;
+#pragma omp simd reduction(max : m)  // finite weights (checked by the caller): any order gives the same max
         for (int64_t i = 0; i < in; ++i) m = std::max(m, std::fabs(p[i]));
       } else {
         for (int64_t i = 0; i < in; ++i) m = std::max(m, std::fabs(load_as_float(weight, w_dtype, r * in + i)));
@@ -342,7 +343,8 @@ int kbit_cpu_quantize(const void* weight, int w_dtype, int64_t E, int64_t out, i
   for (int i = 0; i + 1 < (1 << k); ++i) cmid[i] = (codebook[i] + codebook[i + 1]) * 0.5f;
   const Kernels& kern = kernels();
   auto quantize_rows = kern.quantize_rows ? kern.quantize_rows : scalar_quantize_rows;
-  parallel_rows(rows, team_size(threads, rows * in / 4), [&](int64_t r0, int64_t r1) {
+  // quantizing a weight costs about as much as decoding 16 in a GEMV
+  parallel_rows(rows, team_size(threads, rows * in * 16), [&](int64_t r0, int64_t r1) {
     // a range may span matrices: split it at their boundaries (each has its own scale)
     for (int64_t r = r0; r < r1;) {
       int64_t e = r / out, stop = std::min(r1, (e + 1) * out);

@@ -75,25 +75,6 @@ struct E4m4Table {
 };
 constexpr E4m4Table kE4m4{};
 
-// Midpoints between neighbouring E4M4 values (each exact in float32: at most 6 significant bits).
-struct E4m4Mid {
-  float v[255];
-  constexpr E4m4Mid() : v() {
-    for (int c = 0; c < 255; ++c) v[c] = float((double(kE4m4.v[c]) + double(kE4m4.v[c + 1])) / 2);
-  }
-};
-constexpr E4m4Mid kE4m4Mid{};
-
-// E4M4 encoding (format.md): the nearest code, an exact tie to the even code; a nonzero value never encodes to 0.
-inline uint8_t e4m4_encode(float a) {
-  int lo = 0;  // the number of midpoints strictly below a (binary lifting over the 255 midpoints)
-  for (int step = 128; step > 0; step >>= 1)
-    if (lo + step - 1 < 255 && kE4m4Mid.v[lo + step - 1] < a) lo += step;
-  if (lo < 255 && kE4m4Mid.v[lo] == a && (lo & 1)) ++lo;
-  if (a > 0.f && lo == 0) lo = 1;
-  return uint8_t(lo);
-}
-
 inline float bits_float(uint32_t u) {
   float f;
   std::memcpy(&f, &u, 4);
@@ -104,6 +85,24 @@ inline uint32_t float_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return u;
+}
+
+// E4M4 encoding (format.md): the nearest code, an exact tie to the even code; a nonzero value never encodes to 0.
+// The codes are the float32 grid of 5 significant bits from 2^-10 up and multiples of 2^-14 below, in increasing
+// order, so this is round-to-nearest-even onto that grid: of the float's top 4 mantissa bits, or of a * 2^14.
+// 0 <= a <= 31 (a block absmax over the power-of-two scale is at most 16).
+inline uint8_t e4m4_encode(float a) {
+  if (!(a > 0.f)) return 0;
+  if (a < pow2(-10)) {
+    float x = a * pow2(14);  // exact
+    int m = int(x);
+    float frac = x - float(m);
+    if (frac > 0.5f || (frac == 0.5f && (m & 1))) ++m;
+    return uint8_t(m > 0 ? m : 1);
+  }
+  uint32_t u = float_bits(a);
+  uint32_t code = ((u + 0x3FFFFu + ((u >> 19) & 1u)) >> 19) - ((127u - 11u) << 4);
+  return uint8_t(code < 255u ? code : 255u);
 }
 
 inline float half_to_float(uint16_t h) {
