@@ -37,6 +37,7 @@
 #include "kbit_common.cuh"
 #include "kbit_dispatch.h"
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <type_traits>
 
@@ -227,12 +228,13 @@ __host__ __device__ constexpr uint32_t half_swizzle(int lane) {
 // this lane's weight words of the item in the ring slot at sl: 8 K bytes of each chunk. K = 3: words 3 i .. 3 i + 2
 // are blocks 2 i and 2 i + 1 of the item. K = 5: words 0..15 are the low nibbles as K = 4's (8 per chunk), words
 // 16 + 2 c, 17 + 2 c chunk c's high bits
-template <int K>
-__device__ __forceinline__ void load_item_words(uint32_t sl, int lane, uint32_t (&w)[Tiled<K>::WORDS]) {
+template <int K, typename Ld64, typename Ld128>
+__device__ __forceinline__ void load_item_words_by(Ld64 ld64, Ld128 ld128, int lane, uint32_t (&w)[Tiled<K>::WORDS]) {
+  // ld64 / ld128: the 8 / 16 bytes at a byte offset into the item (shared or global memory)
   if constexpr (K == 3) {  // 24 bytes per lane and chunk: words 6 c .. 6 c + 5 (8-byte aligned)
 #pragma unroll
     for (int i = 0; i < 6; ++i) {
-      const uint2 v = lds64_at(sl + (i / 3) * Tiled<K>::CHUNK_W + lane * 24 + (i % 3) * 8);
+      const uint2 v = ld64((i / 3) * Tiled<K>::CHUNK_W + lane * 24 + (i % 3) * 8);
       w[2 * i] = v.x;
       w[2 * i + 1] = v.y;
     }
@@ -243,8 +245,7 @@ __device__ __forceinline__ void load_item_words(uint32_t sl, int lane, uint32_t 
   const uint32_t sw = half_swizzle<K>(lane);
 #pragma unroll
   for (int i = 0; i < KL; ++i) {
-    const uint4 v =
-        lds128_at(sl + (i / (KL / 2)) * Tiled<K>::CHUNK_W + lane * LANE_B + (((i % (KL / 2)) * 16) ^ sw));
+    const uint4 v = ld128((i / (KL / 2)) * Tiled<K>::CHUNK_W + lane * LANE_B + (((i % (KL / 2)) * 16) ^ sw));
     w[4 * i] = v.x;
     w[4 * i + 1] = v.y;
     w[4 * i + 2] = v.z;
@@ -253,11 +254,16 @@ __device__ __forceinline__ void load_item_words(uint32_t sl, int lane, uint32_t 
   if constexpr (K == 5) {
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      const uint2 v = lds64_at(sl + c * Tiled<K>::CHUNK_W + 32 * 32 + lane * 8);
+      const uint2 v = ld64(c * Tiled<K>::CHUNK_W + 32 * 32 + lane * 8);
       w[16 + 2 * c] = v.x;
       w[17 + 2 * c] = v.y;
     }
   }
+}
+template <int K>
+__device__ __forceinline__ void load_item_words(uint32_t sl, int lane, uint32_t (&w)[Tiled<K>::WORDS]) {
+  load_item_words_by<K>([sl](uint32_t o) { return lds64_at(sl + o); }, [sl](uint32_t o) { return lds128_at(sl + o); },
+                        lane, w);
 }
 // The words of the blocks that one of SPLIT warps sharing an item decodes, placed as blocks 0 .. 8 / SPLIT - 1 of
 // load_item_words' array (so lookup_block takes them with compile-time indices): SPLIT = 2, part p: chunk p;
@@ -1523,6 +1529,327 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
   return 0;
 }
 
+// ---- tensor-core GEMM over the tiled layout (gemm_tiled_kernel: M > 64 tokens; sm_90a, wgmma) ----
+// The product is computed transposed: y^T [out, M] = W [out, in] x^T, so the weight is wgmma's A operand, decoded into
+// registers, and the activations are its B operand, read by the tensor cores from shared memory.
+// CTA: GEMM_WARPS = 8 consumer warps (two warpgroups) and one producer warp; its tile is 128 weight rows (consumer
+// warp w decodes tile blockIdx.x * 8 + w, warpgroup w / 4 rows 64 (w / 4) ..) by GEMM_BN = 128 tokens (blockIdx.y),
+// over items [v0, v1) of the k range (blockIdx.z of `splits`; splits > 1 leave fp32 partial sums in a workspace,
+// summed in split order by gemm_reduce_kernel). Producer: per half item (128 k) one stage of GEMM_STAGES, two TMA
+// boxes of 64 k x 128 tokens (128-byte rows, 128-byte swizzle: wgmma's K-major canonical layout; tokens past M are
+// zero-filled). Consumers: each lane reads its own weight words and block scales of the next item straight from
+// global memory (a register double buffer; no other warp needs them), decodes a block with the pair table
+// (lookup_block) times its block scale (a_scale): the GEMVs' m16n8k16 A operands, whose k order inside a block
+// (lane q holds elements 8 q .. 8 q + 7) is not wgmma's natural order of B in shared memory, so x comes permuted to
+// match (kbit_api.h). Then one m64n128k16 wgmma per k slice, A from registers, B from the stage (descriptor: the
+// slice's 32-byte column of the swizzled rows).
+constexpr int GEMM_WARPS = 8, GEMM_THREADS = GEMM_WARPS * 32 + 32, GEMM_STAGES = 4;
+constexpr uint32_t GEMM_BOX = GEMM_BN * 128, GEMM_STAGE = 2 * GEMM_BOX;  // bytes of a box, of a stage
+// stage 0 below the pair table, the others above it (1024-byte aligned: the swizzle's period)
+__host__ __device__ constexpr uint32_t gemm_stage_addr(int s) {
+  return s == 0 ? 0x2000u : 0x20000u + (uint32_t)(s - 1) * GEMM_STAGE;
+}
+constexpr uint32_t GEMM_FULL = BARS, GEMM_EMPTY = BARS + 8 * GEMM_STAGES;
+constexpr uint32_t GEMM_SMEM_END = gemm_stage_addr(GEMM_STAGES - 1) + GEMM_STAGE;
+static_assert(gemm_stage_addr(0) + GEMM_STAGE <= TABLE && GEMM_EMPTY + 8 * GEMM_STAGES <= gemm_stage_addr(0) &&
+                  GEMM_SMEM_END <= 227 * 1024,
+              "GEMM shared-memory map");
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KBIT_WGMMA 1
+#else
+#define KBIT_WGMMA 0
+#endif
+
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+#if KBIT_SM90
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+#endif
+}
+// wgmma's shared-memory descriptor of a K-major operand in 128-byte swizzled rows: 8-row groups 1024 bytes apart
+__device__ __forceinline__ uint64_t swizzled_desc(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFFu) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 | (uint64_t)1 << 62;
+}
+__device__ __forceinline__ void wgmma_fence() {
+#if KBIT_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#if KBIT_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+// until at most N of this warpgroup's committed wgmma groups are pending
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if KBIT_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
+// read-only global loads issued where they are written
+__device__ __forceinline__ uint4 ldg128_now(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 ldg64_now(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint32_t ldg32_now(const void* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+// the compiler must not move accesses to the accumulators across the asynchronous wgmmas
+__device__ __forceinline__ void fence_acc(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// d[64] += A (this warp's 16 rows of the warpgroup's 64, m16n8k16 A-fragment registers) x B (16 k x 128 tokens)
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+#if KBIT_WGMMA
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  } else {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  }
+#endif
+}
+// wgmma's A registers of the two k slices of block kb of the item (words w, block-scale words sa as the batched GEMV
+// reads them): the GEMV's m16n8k16 A operands (lookup_block) times the rows' block scales. Slice h holds elements
+// 8 q + 4 h + j of the block at the MMA's k index 2 q + j (j < 2) or 8 + 2 q + j - 2: x is given in that order
+// (kbit_api.h, kbit_gemm_tiled)
+template <typename T, int K>
+__device__ __forceinline__ void gemm_block_a(const uint32_t (&w)[Tiled<K>::WORDS], const uint32_t (&sa)[4], int kb,
+                                             uint32_t cl, uint32_t (&a)[2][4]) {
+  const int bb = kb & 3, ch = kb >> 2;
+  const uint32_t p0 = TiledScales<T>::a_scale((sa[2 * ch] >> (8 * bb)) & 0xFFu);      // rows g
+  const uint32_t p1 = TiledScales<T>::a_scale((sa[2 * ch + 1] >> (8 * bb)) & 0xFFu);  // rows g + 8
+  lookup_block<K, false>(w, kb, cl, a);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a[h][j] = Mma<T>::mul2(a[h][j], j & 1 ? p1 : p0);
+}
+
+template <typename T, int K>
+__global__ void __launch_bounds__(GEMM_THREADS, 1)
+    gemm_tiled_kernel(const __grid_constant__ CUtensorMap xmap, int M, const uint8_t* __restrict__ wt,
+                      const uint8_t* __restrict__ at, const float* __restrict__ scale,
+                      const float* __restrict__ codebook, const T* __restrict__ bias, int64_t out, int in,
+                      T* __restrict__ y, float* __restrict__ ws, int splits) {
+#if !KBIT_WGMMA
+  __trap();  // sm_90a only: the launcher refuses other devices
+#else
+  using L = Tiled<K>;
+  extern __shared__ __align__(128) unsigned char smem[];  // window addresses: 1024-aligned stages
+  const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
+  unsigned char* win = smem - base;
+  {
+    uint32_t dsz;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dsz));
+    if (base > BARS || base + dsz < GEMM_SMEM_END) __trap();
+  }
+  const int lane = threadIdx.x & 31, warp = __shfl_sync(0xFFFFFFFFu, (int)threadIdx.x >> 5, 0);
+  const int g = lane >> 2, q = lane & 3;
+  const int IPT = in / 256, split = blockIdx.z;
+  const int v0 = (int)((int64_t)split * IPT / splits), v1 = (int)((int64_t)(split + 1) * IPT / splits);
+  const int steps = 2 * (v1 - v0), n0 = blockIdx.y * GEMM_BN;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < GEMM_STAGES; ++s) {
+      mbar_init(GEMM_FULL + 8 * s, 1);
+      mbar_init(GEMM_EMPTY + 8 * s, GEMM_WARPS);
+    }
+  }
+  build_pair_table<T, K, false, GEMM_THREADS>(win, codebook_lane<K>(codebook, lane), TiledScales<T>::A_TABLE);
+  __syncthreads();
+  if (warp == GEMM_WARPS) {  // the producer
+    if (lane == 0) {
+      for (int j = 0; j < steps; ++j) {
+        const int s = j % GEMM_STAGES;
+        if (j >= GEMM_STAGES) mbar_wait(GEMM_EMPTY + 8 * s, (j / GEMM_STAGES - 1) & 1);
+        mbar_expect_tx(GEMM_FULL + 8 * s, GEMM_STAGE);
+        const int k0 = 256 * v0 + 128 * j;
+        tma_load_2d(gemm_stage_addr(s), &xmap, k0, n0, GEMM_FULL + 8 * s);
+        tma_load_2d(gemm_stage_addr(s) + GEMM_BOX, &xmap, k0 + 64, n0, GEMM_FULL + 8 * s);
+      }
+    }
+    return;
+  }
+  const int64_t t = (int64_t)blockIdx.x * GEMM_WARPS + warp;  // this warp's tile
+  const bool active = t < out / 16;
+  const uint32_t cl = table_lane<K, false>(lane);
+  const uint8_t* witem = wt + (active ? t : 0) * IPT * (int64_t)L::ITEM_W;
+  const uint8_t* aitem = at + (active ? t : 0) * IPT * (int64_t)ITEM_A;
+  // (volatile loads: the compiler would otherwise move these read-only loads down to the registers' use, an item
+  // later, and every item would wait for its weights)
+  auto load_item = [&](int v, uint32_t(&w)[L::WORDS], uint32_t(&sa)[4]) {
+    const uint8_t* wi = witem + (int64_t)v * L::ITEM_W;
+    load_item_words_by<K>([wi](uint32_t o) { return ldg64_now(wi + o); }, [wi](uint32_t o) { return ldg128_now(wi + o); },
+                          lane, w);
+    const uint8_t* ai = aitem + (int64_t)v * ITEM_A;
+    sa[0] = ldg32_now(ai + 4 * g);
+    sa[1] = ldg32_now(ai + 4 * (g + 8));
+    sa[2] = ldg32_now(ai + 4 * (16 + g));
+    sa[3] = ldg32_now(ai + 4 * (24 + g));
+  };
+  // the A registers of block kb of the item in w, sa (zeros for a warp past the layer's last tile: the wgmmas are
+  // the warpgroup's, every warp takes part)
+  auto decode = [&](const uint32_t(&w)[L::WORDS], const uint32_t(&sa)[4], int kb, uint32_t(&a)[2][4]) {
+    if (active) {
+      gemm_block_a<T, K>(w, sa, kb, cl, a);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a[i >> 2][i & 3] = 0u;
+    }
+  };
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  // Software pipeline by block: block kb's two wgmmas run while block kb + 1 is decoded into the other register set
+  // (wgmma.wait_group 1 first: the set's last readers, block kb - 1's wgmmas, are done). Two register sets of words
+  // and scales alternate by item (no copies between them: a register copy would wait for the loads), so item v + 1's
+  // are loaded a whole item ahead; item v + 2's are asked into L2.
+  uint32_t wA[L::WORDS], saA[4], wB[L::WORDS], saB[4], a[2][2][4];
+  if (active) {
+    load_item(v0, wA, saA);
+    if (v0 + 1 < v1) load_item(v0 + 1, wB, saB);
+  }
+  decode(wA, saA, 0, a[0]);
+  auto item = [&](int v, uint32_t(&w)[L::WORDS], uint32_t(&sa)[4], uint32_t(&wn)[L::WORDS], uint32_t(&san)[4]) {
+    if (active && lane < (int)L::ITEM_W / 128 && v + 2 < v1) prefetch_l2(witem + (int64_t)(v + 2) * L::ITEM_W + 128 * lane);
+#pragma unroll
+    for (int kb = 0; kb < 8; ++kb) {
+      const int j = 2 * (v - v0) + (kb >> 2);  // the stage's step
+      if ((kb & 3) == 0) mbar_wait(GEMM_FULL + 8 * (j % GEMM_STAGES), (j / GEMM_STAGES) & 1);
+      wgmma_fence();
+      const uint32_t st = gemm_stage_addr(j % GEMM_STAGES) + ((kb & 3) >> 1) * GEMM_BOX + (kb & 1) * 64;
+      wgmma_m64n128k16<T>(acc, a[kb & 1][0], swizzled_desc(st));
+      wgmma_m64n128k16<T>(acc, a[kb & 1][1], swizzled_desc(st + 32));
+      wgmma_commit();
+      wgmma_wait<1>();
+      // the step before j is done with when its last block's wgmmas are (kb = 0: the item before's; kb = 4: this one's)
+      if ((kb & 3) == 0 && j > 0) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(GEMM_EMPTY + 8 * ((j - 1) % GEMM_STAGES));
+      }
+      if (kb < 7) {
+        decode(w, sa, kb + 1, a[(kb + 1) & 1]);
+      } else if (v + 1 < v1) {
+        decode(wn, san, 0, a[0]);
+        if (active && v + 2 < v1) load_item(v + 2, w, sa);  // this item's registers are free now
+      }
+    }
+  };
+  for (int v = v0; v < v1; v += 2) {
+    item(v, wA, saA, wB, saB);
+    if (v + 1 < v1) item(v + 1, wB, saB, wA, saA);
+  }
+  wgmma_wait<0>();
+  fence_acc(acc);
+  __syncwarp();
+  if (lane == 0) mbar_arrive(GEMM_EMPTY + 8 * ((steps - 1) % GEMM_STAGES));
+  if (!active) return;
+  // acc[4 nt + i]: row 16 t + g + 8 (i >> 1), token n0 + 8 nt + 2 q + (i & 1) (store_tile's fragment)
+  const float post = TiledScales<T>::A_POST;
+  if (splits == 1) {
+    const float sc = __ldg(scale);
+#pragma unroll
+    for (int nt = 0; nt < GEMM_BN / 8; ++nt) {
+      const float v4[4] = {acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3]};
+      store_tile<T>(y + (int64_t)n0 * out, bias, out, M - n0, t, nt, lane, sc, v4, post);
+    }
+  } else {
+    float* part = ws + ((int64_t)split * M + n0) * out;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      const int m = 8 * (i >> 2) + 2 * q + (i & 1);
+      if (n0 + m < M) part[(int64_t)m * out + 16 * t + g + 8 * ((i >> 1) & 1)] = acc[i] * post;
+    }
+  }
+#endif
+}
+// y = (the sum of the splits' partial sums, in split order) x the tensor scale (+ bias)
+template <typename T>
+__global__ void gemm_reduce_kernel(const float* __restrict__ ws, int splits, int64_t n, int64_t out,
+                                   const float* __restrict__ scale, const T* __restrict__ bias, T* __restrict__ y) {
+  const float sc = __ldg(scale);
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    float s = 0.f;
+    for (int p = 0; p < splits; ++p) s += ws[p * n + i];
+    float r = s * sc;
+    if (bias != nullptr) r += Cvt<T>::to_f(bias[i % out]);
+    y[i] = Cvt<T>::from_f(r);
+  }
+}
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+// the driver's cuTensorMapEncodeTiled, through the runtime (the library links no libcuda); null if unavailable
+EncodeTiledFn encode_tiled() {
+  static const EncodeTiledFn fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult r;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &r) != cudaSuccess ||
+        r != cudaDriverEntryPointSuccess)
+      return (EncodeTiledFn) nullptr;
+    return reinterpret_cast<EncodeTiledFn>(p);
+  }();
+  return fn;
+}
+
+template <typename T, int K>
+int gemm_tiled_launch(const T* x, int64_t M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
+                      const T* bias, int64_t out, int64_t in, T* y, float* ws, int64_t ws_bytes, cudaStream_t st) {
+  int dev = 0, sms = 0, major = 0, minor = 0;
+  if (!current_device_sms(dev, sms) || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != 0 ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != 0)
+    return (int)cudaErrorInvalidDevice;
+  if (major != 9 || minor != 0) return (int)cudaErrorNotSupported;  // wgmma: sm_90a code runs on sm_90 only
+  const EncodeTiledFn encode = encode_tiled();
+  if (encode == nullptr) return (int)cudaErrorNotSupported;
+  const int splits = gemm_splits(out / 16, M, in, sms);
+  if (splits > 1 && ws_bytes < gemm_workspace_bytes(out / 16, M, in, sms)) return (int)cudaErrorInvalidValue;
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {(cuuint64_t)in, (cuuint64_t)M}, strides[1] = {(cuuint64_t)in * sizeof(T)};
+  const cuuint32_t box[2] = {64, GEMM_BN}, estr[2] = {1, 1};
+  if (encode(&map, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+             2, const_cast<T*>(x), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return (int)cudaErrorInvalidValue;
+  static bool attr_set[64] = {};
+  if (!attr_set[dev]) {
+    const cudaError_t e = cudaFuncSetAttribute(gemm_tiled_kernel<T, K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)GEMM_SMEM_END);
+    if (e != cudaSuccess) return (int)e;
+    attr_set[dev] = true;
+  }
+  const dim3 grid((unsigned)((out / 16 + GEMM_WARPS - 1) / GEMM_WARPS), (unsigned)((M + GEMM_BN - 1) / GEMM_BN),
+                  (unsigned)splits);
+  gemm_tiled_kernel<T, K><<<grid, GEMM_THREADS, GEMM_SMEM_END, st>>>(map, (int)M, wt, at, scale, cb, bias, out,
+                                                                       (int)in, y, ws, splits);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || splits == 1) return (int)e;
+  gemm_reduce_kernel<T><<<grid_for_threads(M * out, 256, 8), 256, 0, st>>>(ws, splits, M * out, out, scale, bias, y);
+  return (int)cudaGetLastError();
+}
+
 template <int K, typename TO>
 int dequantize_tiled_go(const void* wt, const void* at, const float* scale, const float* codebook, int64_t out,
                         int64_t in, void* y, cudaStream_t st) {
@@ -1612,4 +1939,31 @@ KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* 
   return kbit_gemv_tiled_kernel(x, x_dtype, M, wt, at, scale, codebook, k, out, in, bias, y, KBIT_TILED_AUTO, stream);
 }
 
+KBIT_API int64_t kbit_gemm_tiled_workspace(int64_t M, int64_t out, int64_t in) {
+  int dev = 0, sms = 0;
+  if (!tiled_shape(out, in) || M < 1 || !current_device_sms(dev, sms)) return -1;
+  return gemm_workspace_bytes(out / 16, M, in, sms);
+}
+
+KBIT_API int kbit_gemm_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at, const float* scale,
+                             const float* codebook, int k, int64_t out, int64_t in, const void* bias, void* y,
+                             void* workspace, int64_t workspace_bytes, void* stream) {
+  if (!tiled_shape(out, in) || M < 1 || M > (int64_t)1 << 30 || ((uintptr_t)x & 15)) return (int)cudaErrorInvalidValue;
+  cudaStream_t st = (cudaStream_t)stream;
+  const uint8_t *w = (const uint8_t*)wt, *a = (const uint8_t*)at;
+  float* ws = (float*)workspace;
+  return with_tiled_k(k, [&](auto kc) {
+    constexpr int K = kc.value;
+    if (x_dtype == BF16)
+      return gemm_tiled_launch<__nv_bfloat16, K>((const __nv_bfloat16*)x, M, w, a, scale, codebook,
+                                                 (const __nv_bfloat16*)bias, out, in, (__nv_bfloat16*)y, ws,
+                                                 workspace_bytes, st);
+    if (x_dtype == F16)
+      return gemm_tiled_launch<__half, K>((const __half*)x, M, w, a, scale, codebook, (const __half*)bias, out, in,
+                                          (__half*)y, ws, workspace_bytes, st);
+    return (int)cudaErrorInvalidValue;
+  });
+}
+
 }  // extern "C"
+

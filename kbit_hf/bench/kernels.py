@@ -73,6 +73,15 @@ def copy_bandwidth(repeats: int, detail: dict | None = None) -> float:
     return max(bw.values())
 
 
+def bf16_tensor_rate(repeats: int) -> float:
+    """bf16 cuBLAS FLOP/s on an 8192^3 product (the tensor cores' measured rate)."""
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+    us = _time_graph([lambda: torch.mm(a, b, out=c)], max(3, repeats // 10))
+    return 2 * n**3 / (us * 1e-6)
+
+
 def _kbit_weights(out_f, in_f, k, device="cuda"):
     from ..backends.cuda import dispatch, kernels as cuda, library, tiled
 
@@ -156,8 +165,13 @@ def run(args) -> int:
     have_bnb = _have_bnb()
     ms = [int(v) for v in args.m.split(",")]
     shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
-    hdr = f"{'shape':>12} {'M':>2} {'kernel':>14} {'us':>8} {'% copy':>7} {'vs bf16':>8} {'vs tinygemm':>11}"
-    print("\nGEMV y[M, out] = x[M, in] @ W^T (bf16 activations); % copy = bytes moved / time / copy bandwidth")
+    tc_rate = bf16_tensor_rate(repeats)
+    results["bf16_tensor_flops"] = tc_rate
+    hdr = (f"{'shape':>12} {'M':>4} {'kernel':>14} {'us':>8} {'% copy':>7} {'vs bf16':>8} {'vs tinygemm':>11}"
+           f" {'of floor':>8}")
+    print(f"\ny[M, out] = x[M, in] @ W^T (bf16 activations): the fused GEMV to M = {dispatch.GEMV_MAX_M}, the tiled "
+          "GEMM above; % copy = bytes moved / time / copy bandwidth; floor = max(weight bytes / copy bandwidth, "
+          f"2 M out in / bf16 rate {tc_rate / 1e12:.0f} TFLOP/s)")
     if not have_bnb:
         print("(bitsandbytes not importable: NF4 column skipped)")
     print(hdr)
@@ -165,13 +179,17 @@ def run(args) -> int:
         for M in ms:
             rows = []
             x = torch.randn(M, in_f, device="cuda", dtype=torch.bfloat16)
+
+            def floor(kbytes):
+                """kbit's floor: its weight bytes at copy bandwidth, or its flops at the measured bf16 rate"""
+                return max(kbytes / bw, 2 * M * out_f * in_f / tc_rate) * 1e6
             io_bytes = M * in_f * 2 + M * out_f * 2
             # bf16 cuBLAS
             wbytes = out_f * in_f * 2
             ws = _bf16_weight_copies(out_f, in_f)
             ys = torch.empty(M, out_f, device="cuda", dtype=torch.bfloat16)
             us_bf16 = _time_graph([lambda w=w: torch.mm(x, w.t(), out=ys) for w in ws], repeats)
-            rows.append(("bf16 cuBLAS", us_bf16, wbytes + io_bytes))
+            rows.append(("bf16 cuBLAS", us_bf16, wbytes + io_bytes, None))
             del ws
             # tinygemm int4, group 32
             us_tg = None
@@ -180,7 +198,7 @@ def run(args) -> int:
                 tbytes = out_f * in_f // 2 + (in_f // 32) * out_f * 4
                 us_tg = _time_graph([lambda t=t: torch.ops.aten._weight_int4pack_mm(x, t[0], 32, t[1]) for t in tg],
                                     repeats)
-                rows.append(("tinygemm g32", us_tg, tbytes + io_bytes))
+                rows.append(("tinygemm g32", us_tg, tbytes + io_bytes, None))
                 del tg
             except Exception as exc:  # pragma: no cover
                 print(f"   tinygemm failed: {type(exc).__name__}: {exc}")
@@ -197,7 +215,7 @@ def run(args) -> int:
                     if M == 1:
                         us_bnb = _time_graph([lambda c=c: bnbf.gemv_4bit(x, c[0].t(), state=c[1]) for c in copies],
                                              repeats)
-                        rows.append(("bnb nf4 g64", us_bnb, nbytes + io_bytes))
+                        rows.append(("bnb nf4 g64", us_bnb, nbytes + io_bytes, None))
                     del copies
                 except Exception as exc:  # pragma: no cover
                     print(f"   bitsandbytes failed: {type(exc).__name__}: {exc}")
@@ -208,29 +226,42 @@ def run(args) -> int:
                 copies = [(p0, a0)] + [(p0.clone(), a0.clone()) for _ in range(_n_copies(kbytes) - 1)]
                 y = torch.empty(M, out_f, device="cuda", dtype=torch.bfloat16)
                 held_tiled = dispatch.holds_tiled(out_f, in_f, k, "e4m4", torch.device("cuda"))
-                if held_tiled:  # KbitLinear holds this weight in the tiled layout: time that, and the bit planes too
+                # the fused GEMV up to GEMV_MAX_M rows; above, the tiled GEMM (where the layer is held tiled and the
+                # GPU runs it) or the path linear takes (dequantize + cuBLAS)
+                gemm = M > dispatch.GEMV_MAX_M
+                fused = cuda.gemm_out if gemm else cuda.linear_out
+                if held_tiled and (not gemm or dispatch.gemm_runs_on(torch.cuda.current_device())):
+                    # KbitLinear holds this weight in the tiled layout: time that, and the bit planes too
                     tcopies = [tiled.tile(c[0], c[1], in_f, k) for c in copies]
-                    us = _time_graph([lambda c=c: cuda.linear_out(x, c[0], c[1], s0, cb, k, in_f, None, y)
-                                      for c in tcopies], repeats)
-                    rows.append((f"kbit K={k}", us, kbytes + io_bytes))
+                    us = _time_graph([lambda c=c: fused(x, c[0], c[1], s0, cb, k, in_f, None, y) for c in tcopies],
+                                     repeats)
+                    rows.append((f"kbit K={k}", us, kbytes + io_bytes, floor(kbytes)))
                     del tcopies
-                us = _time_graph([lambda c=c: cuda.linear_out(x, c[0], c[1], s0, cb, k, in_f, None, y)
-                                  for c in copies], repeats)
-                rows.append((f"K={k} planes" if held_tiled else f"kbit K={k}", us, kbytes + io_bytes))
-                if k == 4 and M > 8:  # the path M > 8 took before the token-tiled kernel: dequantize + cuBLAS
+                    held_tiled = True
+                else:
+                    held_tiled = False
+                if not gemm:
+                    us = _time_graph([lambda c=c: cuda.linear_out(x, c[0], c[1], s0, cb, k, in_f, None, y)
+                                      for c in copies], repeats)
+                    rows.append((f"K={k} planes" if held_tiled else f"kbit K={k}", us, kbytes + io_bytes,
+                                 floor(kbytes)))
+                if k == 4 and M > 8:  # the fallback path: dequantize + cuBLAS
                     wbuf = torch.empty(out_f, in_f, device="cuda", dtype=torch.bfloat16)
                     us_dq = _time_graph([lambda c=c: torch.mm(x, cuda.dequantize_out(c[0], c[1], s0, cb, k, in_f, wbuf)
                                                               .t(), out=y) for c in copies], repeats)
-                    rows.append(("K=4 dq+cuBLAS", us_dq, kbytes + io_bytes))
+                    rows.append(("K=4 dq+cuBLAS", us_dq, kbytes + io_bytes, None))
                     del wbuf
                 del copies, p0, a0
-            for name, us, nbytes in rows:
+            for name, us, nbytes, floor_us in rows:
                 pct = 100 * nbytes / (us * 1e-6) / bw
                 vs_bf16 = us_bf16 / us
                 vs_tg = (us_tg / us) if us_tg else float("nan")
-                print(f"{f'{out_f}x{in_f}':>12} {M:>2} {name:>14} {us:8.2f} {pct:6.1f}% {vs_bf16:7.2f}x {vs_tg:10.2f}x")
+                of_floor = f"{us / floor_us:8.2f}x" if floor_us else ""
+                print(f"{f'{out_f}x{in_f}':>12} {M:>4} {name:>14} {us:8.2f} {pct:6.1f}% {vs_bf16:7.2f}x {vs_tg:10.2f}x"
+                      f"{of_floor}")
                 results["gemv"].append({"shape": [out_f, in_f], "M": M, "kernel": name, "us": us, "pct_copy": pct,
-                                        "speedup_vs_bf16": vs_bf16, "speedup_vs_tinygemm": vs_tg})
+                                        "speedup_vs_bf16": vs_bf16, "speedup_vs_tinygemm": vs_tg,
+                                        "floor_us": floor_us})
             torch.cuda.empty_cache()
     print("\nPython cost of one eager call (host microseconds, best of 5 x 300 calls, kbit K=4 256x256 M=1)")
     results["python_overhead_us"] = python_overhead()

@@ -3,7 +3,9 @@ batch size, shape and GPU is the library's choice: csrc/kbit_dispatch.h. docs/de
 
 | rule | why |
 |---|---|
-| `linear`: fused GEMV for 1 <= M <= GEMV_MAX_M rows of fp16/bf16, else dequantize + cuBLAS | the GEMV reads the packed weight once and is bound by those bytes; above 64 rows the tensor cores of cuBLAS win |
+| `linear`: fused GEMV for 1 <= M <= GEMV_MAX_M rows of fp16/bf16 | the GEMV reads the packed weight once and is bound by those bytes |
+| `linear`, tiled weight, sm_90, M > GEMV_MAX_M rows of fp16/bf16: the tensor-core GEMM | decodes each weight tile once per 128 tokens in registers; no bf16 copy of the weight in memory |
+| `linear`, anything else: dequantize + cuBLAS | the fallback (bit-plane weights, other GPUs, fp32 activations) |
 | `expert_linear`: per-row expert GEMV for N <= EXPERT_GEMV_MAX_N rows (any N up to 65535 while capturing a CUDA graph), else one `linear` per expert present | the per-row kernel needs no host sync; past ~1024 rows re-reading an expert per row costs more than the sync and grouped launches |
 | tiled layout: e4m4 scales, out % 16 == 0, in % 256 == 0, out * in >= TILED_MIN_NUMEL[K], sm_90 | the tiled GEMV streams whole tiles with the TMA; on smaller layers a persistent kernel's start costs more than it saves |
 """
@@ -25,6 +27,7 @@ TILED_MIN_NUMEL = {2: 4096 * 4096 + 1, 3: 4096 * 4096, 4: 4096 * 4096, 5: 2048 *
 TILE_ROWS, TILE_IN = 16, 256  # the tiled layout's unit: 16 rows x 256 inputs (two 128-element chunks)
 
 _sm90: dict[int, bool] = {}
+_sm90a: dict[int, bool] = {}
 
 
 def tiled_gemv_runs_on(index: int) -> bool:
@@ -32,6 +35,14 @@ def tiled_gemv_runs_on(index: int) -> bool:
     ok = _sm90.get(index)
     if ok is None:
         ok = _sm90[index] = library.lib is not None and torch.cuda.get_device_capability(index)[0] >= 9
+    return ok
+
+
+def gemm_runs_on(index: int) -> bool:
+    """The tiled GEMM runs on CUDA device `index`: compute capability 9.0 exactly (its wgmma code is sm_90a)."""
+    ok = _sm90a.get(index)
+    if ok is None:
+        ok = _sm90a[index] = library.lib is not None and torch.cuda.get_device_capability(index) == (9, 0)
     return ok
 
 
@@ -52,6 +63,11 @@ def holds_tiled(out_features: int, in_features: int, k: int, absmax_format: str,
 
 def linear_uses_gemv(M: int, dtype: torch.dtype) -> bool:
     return 0 < M <= GEMV_MAX_M and dtype in GEMV_DTYPES
+
+
+def linear_uses_gemm(M: int, dtype: torch.dtype) -> bool:
+    """For a tiled weight on a device where gemm_runs_on."""
+    return M > GEMV_MAX_M and dtype in GEMV_DTYPES
 
 
 def expert_linear_uses_gemv(N: int, dtype: torch.dtype, capturing: bool) -> bool:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from ... import format as fmt
 from . import dispatch, library
 from .library import DTYPE_CODE, check
-from .tiled import is_tiled
+from .tiled import gemm_k_order, is_tiled
 
 # the tiled GEMV variants linear_out can force (csrc/kbit_api.h, KBIT_TILED_*): per-warp ranges; batched, or batched
 # with 1, 2 or 4 warps per tile; "...k2": batched with the k range split over clusters of 2 CTAs
@@ -201,6 +201,42 @@ def linear_out(x, packed, absmax, scale, codebook, k, in_features, bias, out, ti
     return out
 
 
+def gemm_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
+    """Tensor-core GEMM over a tiled weight into `out` [M, out_features]: x [M, in] fp16/bf16 (any M >= 1; copied
+    into the GEMM's k order, tiled.gemm_k_order), bias None or x's dtype. Needs a compute capability 9.0 GPU. Where the
+    layer splits its k range, a workspace is allocated (from torch's caching allocator: CUDA-graph safe)."""
+    _need("gemm_out", x, packed, absmax, scale, bias, out)
+    _check_shapes(packed, absmax, scale, k, in_features)
+    dev = x.device
+    if not is_tiled(packed):
+        raise ValueError("gemm_out needs a tiled weight (uint8 packed; see ops.device_layout)")
+    if not dispatch.gemm_runs_on(dev.index if dev.index is not None else torch.cuda.current_device()):
+        raise RuntimeError(f"the tiled GEMM needs a compute capability 9.0 GPU; {dev} is not one")
+    if x.dtype not in dispatch.GEMV_DTYPES or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"gemm_out takes fp16/bf16 x and a bias of x's dtype; got x {x.dtype}, bias "
+                         f"{None if bias is None else bias.dtype}")
+    M, out_f = x.shape[0], packed.shape[0]
+    if x.dim() != 2 or x.shape[1] != in_features or tuple(out.shape) != (M, out_f) or out.dtype != x.dtype \
+            or not out.is_contiguous():
+        raise ValueError(f"gemm_out: x must be [M, {in_features}] and out a contiguous [M, {out_f}] of x's dtype; "
+                         f"got x {tuple(x.shape)}, out {out.dtype} {tuple(out.shape)}")
+    x = gemm_k_order(x)  # a fresh contiguous copy: 16-byte aligned
+    if bias is not None:
+        bias = bias.contiguous()
+    with on_device(dev):
+        lib = library.lib
+        nbytes = lib.kbit_gemm_tiled_workspace(M, out_f, in_features)
+        if nbytes < 0:
+            raise RuntimeError(f"kbit CUDA gemm: no workspace size for M={M}, {out_f} x {in_features}")
+        ws = torch.empty(nbytes, dtype=torch.uint8, device=dev) if nbytes else None
+        rc = lib.kbit_gemm_tiled(x.data_ptr(), DTYPE_CODE[x.dtype], M, packed.contiguous().data_ptr(),
+                                 absmax.contiguous().data_ptr(), scale.data_ptr(), _cb(codebook, dev, k).data_ptr(), k,
+                                 out_f, in_features, 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+                                 0 if ws is None else ws.data_ptr(), nbytes, stream_of(dev))
+    check(rc, "gemm")
+    return out
+
+
 _KSET = frozenset(fmt.SUPPORTED_K)
 
 
@@ -241,6 +277,12 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
                     check(rc, "gemv")
                 return y
     _need("linear", x, packed, absmax, scale, bias)
+    M = x.numel() // in_features if in_features > 0 else 0
+    if (is_tiled(packed) and dispatch.linear_uses_gemm(M, x.dtype) and x.shape[-1] == in_features
+            and (bias is None or bias.dtype == x.dtype) and dispatch.gemm_runs_on(x.get_device())):
+        x2 = x.reshape(M, in_features)
+        y = x.new_empty((M, packed.shape[0]))
+        return gemm_out(x2, packed, absmax, scale, codebook, k, in_features, bias, y).reshape(*x.shape[:-1], -1)
     # Any other M (prefill) or dtype: dequantize on the GPU, then cuBLAS with fp32 accumulation. fp16/bf16
     # activations use a weight in their own dtype (the tensor-core path); fp32 activations a fp32 weight.
     wdtype = x.dtype if x.dtype in dispatch.GEMV_DTYPES else torch.float32

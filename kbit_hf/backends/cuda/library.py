@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 # csrc/kbit_quant.cu kbit_abi_version(): a library built from other sources is refused
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -29,7 +29,10 @@ _SIGNATURES = {
     "kbit_dequantize_tiled": [_vp, _vp, _vp, _vp, _i32, _i64, _i64, _vp, _i32, _vp],
     "kbit_gemv_tiled": [_vp, _i32, _i64, _vp, _vp, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _vp],
     "kbit_gemv_tiled_kernel": [_vp, _i32, _i64, _vp, _vp, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _i32, _vp],
+    "kbit_gemm_tiled_workspace": [_i64, _i64, _i64],
+    "kbit_gemm_tiled": [_vp, _i32, _i64, _vp, _vp, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _vp, _i64, _vp],
 }
+_RESTYPES = {"kbit_gemm_tiled_workspace": _i64}  # the others return an int status
 
 lib = None
 _load_error: str | None = None
@@ -68,7 +71,7 @@ def _load():
         handle.kbit_error_string.argtypes = [_i32]
         for name, args in _SIGNATURES.items():
             fn = getattr(handle, name)
-            fn.restype = _i32
+            fn.restype = _RESTYPES.get(name, _i32)
             fn.argtypes = args
         lib, _lib_path = handle, str(path)
         return

@@ -1,0 +1,138 @@
+"""GPU tests of the tensor-core GEMM over the tiled layout (csrc/kbit_tiled.cu, gemm_tiled_kernel; M > 64 in
+kernels.linear): against float64 on fresh random inputs into NaN-poisoned outputs, for every K and dtype, token
+counts around the 128-token CTA tile, layers with fewer tiles than a CTA holds (k split through the workspace) and
+with many, bias, determinism, CUDA-graph capture and the path KbitLinear takes."""
+
+import pytest
+import torch
+
+from kbit_hf import format as fmt
+from kbit_hf.backends import reference
+from kbit_hf.backends.cuda import dispatch, kernels
+from kbit_hf.backends.cuda.tiled import TILED_K, tile
+from .test_kernels import GEMV_REL_W, _assert_linear_close, _captured
+
+
+def _ref_linear64(x, p, a, s, cb, k, inf, bias=None):
+    """test_kernels._ref_linear64 (float64 product and magnitude), computed on the GPU: M = 1000 by 6144 x 4096"""
+    w = reference.dequantize(p, a, s, cb, k, inf, torch.float32).cuda().double()
+    xd = x.cuda().double()
+    y, mag = xd @ w.T, xd.abs() @ w.abs().T
+    if bias is not None:
+        y, mag = y + bias.cuda().double(), mag + bias.cuda().double().abs()
+    return y.cpu(), mag.cpu()
+
+pytestmark = pytest.mark.cuda
+
+# (16, 256): one tile, one item (no k split possible); (272, 768): 17 tiles, a partial CTA; (2000, 2304): a k split
+# of items that do not divide evenly; (4096, 1024): 32 CTAs; (6144, 4096): 48 CTAs, 16 items each
+GEMM_SHAPES = [(16, 256), (272, 768), (2000, 2304), (4096, 1024), (6144, 4096)]
+
+
+def _sm90a():
+    return dispatch.gemm_runs_on(torch.cuda.current_device())
+
+
+def _quantized(shape, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g)
+    w[1, 32:64] *= 1e-5  # a subnormal e4m4 block scale
+    return reference.quantize(w, fmt.nf0_codebook(k), k, "e4m4")
+
+
+def _gemm(x, wt, at, s, cb, k, in_f, bias):
+    y = torch.full((x.shape[0], wt.shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    return kernels.gemm_out(x, wt, at, s, cb, k, in_f, bias, y)
+
+
+@pytest.mark.parametrize("k", TILED_K)
+@pytest.mark.parametrize("shape", GEMM_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("M", (1, 17, 65, 127, 128, 129, 300, 1000))
+def test_gemm_tiled(shape, dtype, M, k):
+    if not _sm90a():
+        pytest.skip("the tiled GEMM is sm_90a")
+    out_f, in_f = shape
+    cb = fmt.nf0_codebook(k)
+    p, a, s = _quantized(shape, k, out_f * 7 + in_f + k)
+    g = torch.Generator().manual_seed(out_f + in_f + M + k)
+    x = torch.randn(M, in_f, generator=g).to(dtype)
+    bias = torch.randn(out_f, generator=g).to(dtype) if M % 2 else None
+    ref, mag = _ref_linear64(x, p, a, s, cb, k, in_f, bias)
+    wt, at = tile(p.cuda(), a.cuda(), in_f, k)
+    xb, bb, cb_, s_ = x.cuda(), None if bias is None else bias.cuda(), cb.cuda(), s.cuda()
+    y = _gemm(xb, wt, at, s_, cb_, k, in_f, bb)
+    _assert_linear_close(y, ref, mag, dtype, rel_w=GEMV_REL_W[dtype])
+    assert torch.equal(_gemm(xb, wt, at, s_, cb_, k, in_f, bb), y)  # deterministic, k split included
+    if M > dispatch.GEMV_MAX_M:  # the path KbitLinear runs above the GEMV's rows
+        assert torch.equal(kernels.linear(xb, wt, at, s_, cb_, k, in_f, bb), y)
+        assert torch.equal(torch.ops.kbit.linear(xb, wt, at, s_, cb_, k, in_f, bb), y)
+
+
+@pytest.mark.parametrize("x_scale", (2.0**-30, 2.0**12), ids=str)
+def test_gemm_tiled_activation_range(x_scale):
+    """Tiny and large bf16 activations against rows whose block scales are all subnormal (the A operands carry the
+    block scales as raw bf16 bits against a table scaled by 2^32: TiledScales)."""
+    if not _sm90a():
+        pytest.skip("the tiled GEMM is sm_90a")
+    out_f, in_f, k = 272, 768, 4
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(out_f, in_f, generator=g)
+    w[:16] *= 1e-5
+    cb = fmt.nf0_codebook(k)
+    p, a, s = reference.quantize(w, cb, k, "e4m4")
+    x = (torch.randn(200, in_f, generator=g) * x_scale).to(torch.bfloat16)
+    ref, mag = _ref_linear64(x, p, a, s, cb, k, in_f, None)
+    wt, at = tile(p.cuda(), a.cuda(), in_f, k)
+    y = _gemm(x.cuda(), wt, at, s.cuda(), cb.cuda(), k, in_f, None)
+    _assert_linear_close(y, ref, mag, torch.bfloat16, rel_w=GEMV_REL_W[torch.bfloat16], norm_check=False)
+
+
+def test_gemm_tiled_strided_and_unaligned_input():
+    """A column slice (not contiguous) and a view starting 2 elements in (not 16-byte aligned) give the same result
+    as a contiguous copy."""
+    if not _sm90a():
+        pytest.skip("the tiled GEMM is sm_90a")
+    out_f, in_f, k = 272, 512, 3
+    p, a, s = (t.cuda() for t in _quantized((out_f, in_f), k, 5))
+    cb = fmt.nf0_codebook(k).cuda()
+    wt, at = tile(p, a, in_f, k)
+    big = torch.randn(100, in_f + 8, device="cuda", dtype=torch.bfloat16)
+    for x in (big[:, :in_f], big.view(-1)[2:2 + 100 * in_f].view(100, in_f)):
+        want = _gemm(x.contiguous().clone(), wt, at, s, cb, k, in_f, None)
+        assert torch.equal(_gemm(x, wt, at, s, cb, k, in_f, None), want)
+
+
+@pytest.mark.parametrize("shape", [(272, 768), (6144, 4096)], ids=str)
+def test_gemm_tiled_cuda_graph(shape):
+    """Captured (with its k-split workspace allocated inside the capture), replayed on new inputs."""
+    if not _sm90a():
+        pytest.skip("the tiled GEMM is sm_90a")
+    out_f, in_f, k = shape[0], shape[1], 4
+    p, a, s = (t.cuda() for t in _quantized(shape, k, 11))
+    cb = fmt.nf0_codebook(k).cuda()
+    wt, at = tile(p, a, in_f, k)
+    x = torch.randn(160, in_f, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(160, out_f, device="cuda", dtype=torch.bfloat16)
+    graph = _captured(lambda: y.copy_(kernels.linear(x, wt, at, s, cb, k, in_f)))
+    for seed in (1, 2):
+        x.copy_(torch.randn(160, in_f, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, _gemm(x, wt, at, s, cb, k, in_f, None))
+
+
+def test_gemm_tiled_errors():
+    if not _sm90a():
+        pytest.skip("the tiled GEMM is sm_90a")
+    p, a, s = (t.cuda() for t in _quantized((272, 768), 4, 1))
+    cb = fmt.nf0_codebook(4).cuda()
+    wt, at = tile(p, a, 768, 4)
+    x = torch.randn(100, 768, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out a contiguous"):
+        kernels.gemm_out(x, wt, at, s, cb, 4, 768, None, torch.empty(100, 271, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        kernels.gemm_out(x.float(), wt, at, s, cb, 4, 768, None, torch.empty(100, 272, device="cuda"))
+    with pytest.raises(ValueError, match="tiled weight"):
+        kernels.gemm_out(x, p, a, s, cb, 4, 768, None, torch.empty(100, 272, device="cuda", dtype=torch.bfloat16))
