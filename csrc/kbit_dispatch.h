@@ -141,11 +141,12 @@ constexpr int dequant_blocks_per_sm(int K) { return K == 2 ? 128 : 64; }
 constexpr int dequant_tiled_blocks_per_sm(int K) { return K == 4 ? 128 : 64; }
 
 // ---- tensor-core GEMM over the tiled layout (kbit_tiled.cu: gemm_tiled_kernel, M > 64, sm_90) ----
-constexpr int GEMM_BN = 128;  // tokens per CTA
-// k splits: CTAs of 8 tiles x GEMM_BN tokens; where they are fewer than the SMs, the k range is split so that the
-// grid fills them (at least 2 items of 256 k per split); the splits' fp32 partial sums go through a workspace
+// Tokens per CTA: 128, or 256 above 128 tokens (each decoded weight fragment then feeds twice the MMA work).
+constexpr int gemm_tokens_per_cta(int64_t M) { return M > 128 ? 256 : 128; }
+// k splits: CTAs of 8 tiles x gemm_tokens_per_cta tokens; where they are fewer than the SMs, the k range is split so
+// that the grid fills them (at least 2 items of 256 k per split); the splits' fp32 partial sums go through a workspace
 inline int gemm_splits(int64_t tiles, int64_t M, int64_t in, int sms) {
-  const int64_t ctas = ((tiles + 7) / 8) * ((M + GEMM_BN - 1) / GEMM_BN);
+  const int64_t bn = gemm_tokens_per_cta(M), ctas = ((tiles + 7) / 8) * ((M + bn - 1) / bn);
   int64_t s = ctas >= sms ? 1 : sms / ctas;
   const int64_t most = in / 512 > 1 ? in / 512 : 1;
   return (int)(s < most ? s : most);

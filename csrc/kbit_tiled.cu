@@ -1532,19 +1532,25 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
 // ---- tensor-core GEMM over the tiled layout (gemm_tiled_kernel: M > 64 tokens; sm_90a, wgmma) ----
 // The product is computed transposed: y^T [out, M] = W [out, in] x^T, so the weight is wgmma's A operand, decoded into
 // registers, and the activations are its B operand, read by the tensor cores from shared memory.
-// CTA: GEMM_WARPS = 8 consumer warps (two warpgroups) and one producer warp; its tile is 128 weight rows (consumer
-// warp w decodes tile blockIdx.x * 8 + w, warpgroup w / 4 rows 64 (w / 4) ..) by GEMM_BN = 128 tokens (blockIdx.y),
+// CTA: GEMM_WARPS = 8 consumer warps (two warpgroups) and a producer warpgroup; its tile is 128 weight rows (consumer
+// warp w decodes tile blockIdx.x * 8 + w, warpgroup w / 4 rows 64 (w / 4) ..) by BN = 128 or 256 tokens (blockIdx.y),
 // over items [v0, v1) of the k range (blockIdx.z of `splits`; splits > 1 leave fp32 partial sums in a workspace,
-// summed in split order by gemm_reduce_kernel). Producer: per half item (128 k) one stage of GEMM_STAGES, two TMA
-// boxes of 64 k x 128 tokens (128-byte rows, 128-byte swizzle: wgmma's K-major canonical layout; tokens past M are
-// zero-filled). Consumers: each lane reads its own weight words and block scales of the next item straight from
+// summed in split order by gemm_reduce_kernel). Producer: one lane fills GEMM_STAGES stages of 32 KB, TMA boxes of
+// 64 k x BN tokens (128-byte rows, 128-byte swizzle: wgmma's K-major canonical layout; tokens past M are
+// zero-filled), 128 k per stage at BN = 128, 64 at 256. Consumers: each lane reads its own weight words and block scales of the next item straight from
 // global memory (a register double buffer; no other warp needs them), decodes a block with the pair table
 // (lookup_block) times its block scale (a_scale): the GEMVs' m16n8k16 A operands, whose k order inside a block
 // (lane q holds elements 8 q .. 8 q + 7) is not wgmma's natural order of B in shared memory, so x comes permuted to
 // match (kbit_api.h). Then one m64n128k16 wgmma per k slice, A from registers, B from the stage (descriptor: the
 // slice's 32-byte column of the swizzled rows).
-constexpr int GEMM_WARPS = 8, GEMM_THREADS = GEMM_WARPS * 32 + 32, GEMM_STAGES = 4;
-constexpr uint32_t GEMM_BOX = GEMM_BN * 128, GEMM_STAGE = 2 * GEMM_BOX;  // bytes of a box, of a stage
+constexpr int GEMM_WARPS = 8, GEMM_THREADS = GEMM_WARPS * 32 + 128, GEMM_STAGES = 4;
+// registers per thread after setmaxnreg: the producer warpgroup gives its own to the consumers' accumulators
+constexpr int GEMM_PRODUCER_REGS = 40, GEMM_CONSUMER_REGS = 232;
+static_assert((GEMM_PRODUCER_REGS + 2 * GEMM_CONSUMER_REGS) * 128 <= 65536, "register file");
+// a stage: 32 KB of x, BN tokens by 128 (BN = 128: two 64-element boxes) or 64 (BN = 256: one box) k
+constexpr uint32_t GEMM_STAGE = 0x8000;
+constexpr uint32_t gemm_box(int BN) { return (uint32_t)BN * 128; }
+constexpr int gemm_stage_blocks(int BN) { return (int)(GEMM_STAGE / gemm_box(BN)) * 2; }  // 32-element blocks
 // stage 0 below the pair table, the others above it (1024-byte aligned: the swizzle's period)
 __host__ __device__ constexpr uint32_t gemm_stage_addr(int s) {
   return s == 0 ? 0x2000u : 0x20000u + (uint32_t)(s - 1) * GEMM_STAGE;
@@ -1611,9 +1617,10 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 // the compiler must not move accesses to the accumulators across the asynchronous wgmmas
-__device__ __forceinline__ void fence_acc(float (&d)[64]) {
+template <int N>
+__device__ __forceinline__ void fence_acc(float (&d)[N]) {
 #pragma unroll
-  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 // d[64] += A (this warp's 16 rows of the warpgroup's 64, m16n8k16 A-fragment registers) x B (16 k x 128 tokens)
 template <typename T>
@@ -1629,6 +1636,26 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const uint32_t 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
   }
 #endif
+}
+// the same for 256 tokens: d[128]
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], const uint32_t (&a)[4], uint64_t desc) {
+#if KBIT_WGMMA
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  } else {
+    asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, 1, 1, 1, 0;"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  }
+#endif
+}
+template <typename T, int BN>
+__device__ __forceinline__ void wgmma_tokens(float (&d)[BN / 2], const uint32_t (&a)[4], uint64_t desc) {
+  if constexpr (BN == 256) wgmma_m64n256k16<T>(d, a, desc);
+  else wgmma_m64n128k16<T>(d, a, desc);
 }
 // wgmma's A registers of the two k slices of block kb of the item (words w, block-scale words sa as the batched GEMV
 // reads them): the GEMV's m16n8k16 A operands (lookup_block) times the rows' block scales. Slice h holds elements
@@ -1647,7 +1674,7 @@ __device__ __forceinline__ void gemm_block_a(const uint32_t (&w)[Tiled<K>::WORDS
     for (int j = 0; j < 4; ++j) a[h][j] = Mma<T>::mul2(a[h][j], j & 1 ? p1 : p0);
 }
 
-template <typename T, int K>
+template <typename T, int K, int BN>
 __global__ void __launch_bounds__(GEMM_THREADS, 1)
     gemm_tiled_kernel(const __grid_constant__ CUtensorMap xmap, int M, const uint8_t* __restrict__ wt,
                       const uint8_t* __restrict__ at, const float* __restrict__ scale,
@@ -1669,7 +1696,9 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1)
   const int g = lane >> 2, q = lane & 3;
   const int IPT = in / 256, split = blockIdx.z;
   const int v0 = (int)((int64_t)split * IPT / splits), v1 = (int)((int64_t)(split + 1) * IPT / splits);
-  const int steps = 2 * (v1 - v0), n0 = blockIdx.y * GEMM_BN;
+  constexpr uint32_t BOX = gemm_box(BN);
+  constexpr int SB = gemm_stage_blocks(BN);  // blocks per stage
+  const int steps = 8 / SB * (v1 - v0), n0 = blockIdx.y * BN;
   if (threadIdx.x == 0) {
     for (int s = 0; s < GEMM_STAGES; ++s) {
       mbar_init(GEMM_FULL + 8 * s, 1);
@@ -1678,19 +1707,22 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1)
   }
   build_pair_table<T, K, false, GEMM_THREADS>(win, codebook_lane<K>(codebook, lane), TiledScales<T>::A_TABLE);
   __syncthreads();
-  if (warp == GEMM_WARPS) {  // the producer
-    if (lane == 0) {
+  if (warp >= GEMM_WARPS) {  // the producer warpgroup: one lane issues the copies
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(GEMM_PRODUCER_REGS));
+    if (warp == GEMM_WARPS && lane == 0) {
       for (int j = 0; j < steps; ++j) {
         const int s = j % GEMM_STAGES;
         if (j >= GEMM_STAGES) mbar_wait(GEMM_EMPTY + 8 * s, (j / GEMM_STAGES - 1) & 1);
         mbar_expect_tx(GEMM_FULL + 8 * s, GEMM_STAGE);
-        const int k0 = 256 * v0 + 128 * j;
-        tma_load_2d(gemm_stage_addr(s), &xmap, k0, n0, GEMM_FULL + 8 * s);
-        tma_load_2d(gemm_stage_addr(s) + GEMM_BOX, &xmap, k0 + 64, n0, GEMM_FULL + 8 * s);
+        const int k0 = 256 * v0 + 32 * SB * j;
+#pragma unroll
+        for (int b = 0; b < SB / 2; ++b)
+          tma_load_2d(gemm_stage_addr(s) + b * BOX, &xmap, k0 + 64 * b, n0, GEMM_FULL + 8 * s);
       }
     }
     return;
   }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(GEMM_CONSUMER_REGS));
   const int64_t t = (int64_t)blockIdx.x * GEMM_WARPS + warp;  // this warp's tile
   const bool active = t < out / 16;
   const uint32_t cl = table_lane<K, false>(lane);
@@ -1718,9 +1750,9 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1)
       for (int i = 0; i < 8; ++i) a[i >> 2][i & 3] = 0u;
     }
   };
-  float acc[64];
+  float acc[BN / 2];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
   // Software pipeline by block: block kb's two wgmmas run while block kb + 1 is decoded into the other register set
   // (wgmma.wait_group 1 first: the set's last readers, block kb - 1's wgmmas, are done). Two register sets of words
   // and scales alternate by item (no copies between them: a register copy would wait for the loads), so item v + 1's
@@ -1735,16 +1767,16 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1)
     if (active && lane < (int)L::ITEM_W / 128 && v + 2 < v1) prefetch_l2(witem + (int64_t)(v + 2) * L::ITEM_W + 128 * lane);
 #pragma unroll
     for (int kb = 0; kb < 8; ++kb) {
-      const int j = 2 * (v - v0) + (kb >> 2);  // the stage's step
-      if ((kb & 3) == 0) mbar_wait(GEMM_FULL + 8 * (j % GEMM_STAGES), (j / GEMM_STAGES) & 1);
+      const int j = 8 / SB * (v - v0) + kb / SB;  // the stage's step
+      if (kb % SB == 0) mbar_wait(GEMM_FULL + 8 * (j % GEMM_STAGES), (j / GEMM_STAGES) & 1);
       wgmma_fence();
-      const uint32_t st = gemm_stage_addr(j % GEMM_STAGES) + ((kb & 3) >> 1) * GEMM_BOX + (kb & 1) * 64;
-      wgmma_m64n128k16<T>(acc, a[kb & 1][0], swizzled_desc(st));
-      wgmma_m64n128k16<T>(acc, a[kb & 1][1], swizzled_desc(st + 32));
+      const uint32_t st = gemm_stage_addr(j % GEMM_STAGES) + ((kb % SB) >> 1) * BOX + (kb & 1) * 64;
+      wgmma_tokens<T, BN>(acc, a[kb & 1][0], swizzled_desc(st));
+      wgmma_tokens<T, BN>(acc, a[kb & 1][1], swizzled_desc(st + 32));
       wgmma_commit();
       wgmma_wait<1>();
-      // the step before j is done with when its last block's wgmmas are (kb = 0: the item before's; kb = 4: this one's)
-      if ((kb & 3) == 0 && j > 0) {
+      // the step before j is done with when its last block's wgmmas are (its first block's wgmmas just issued)
+      if (kb % SB == 0 && j > 0) {
         __syncwarp();
         if (lane == 0) mbar_arrive(GEMM_EMPTY + 8 * ((j - 1) % GEMM_STAGES));
       }
@@ -1770,14 +1802,14 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1)
   if (splits == 1) {
     const float sc = __ldg(scale);
 #pragma unroll
-    for (int nt = 0; nt < GEMM_BN / 8; ++nt) {
+    for (int nt = 0; nt < BN / 8; ++nt) {
       const float v4[4] = {acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3]};
       store_tile<T>(y + (int64_t)n0 * out, bias, out, M - n0, t, nt, lane, sc, v4, post);
     }
   } else {
     float* part = ws + ((int64_t)split * M + n0) * out;
 #pragma unroll
-    for (int i = 0; i < 64; ++i) {
+    for (int i = 0; i < BN / 2; ++i) {
       const int m = 8 * (i >> 2) + 2 * q + (i & 1);
       if (n0 + m < M) part[(int64_t)m * out + 16 * t + g + 8 * ((i >> 1) & 1)] = acc[i] * post;
     }
@@ -1826,24 +1858,23 @@ int gemm_tiled_launch(const T* x, int64_t M, const uint8_t* wt, const uint8_t* a
   if (encode == nullptr) return (int)cudaErrorNotSupported;
   const int splits = gemm_splits(out / 16, M, in, sms);
   if (splits > 1 && ws_bytes < gemm_workspace_bytes(out / 16, M, in, sms)) return (int)cudaErrorInvalidValue;
+  const int BN = gemm_tokens_per_cta(M);
   CUtensorMap map;
   const cuuint64_t dims[2] = {(cuuint64_t)in, (cuuint64_t)M}, strides[1] = {(cuuint64_t)in * sizeof(T)};
-  const cuuint32_t box[2] = {64, GEMM_BN}, estr[2] = {1, 1};
+  const cuuint32_t box[2] = {64, (cuuint32_t)BN}, estr[2] = {1, 1};
   if (encode(&map, std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
              2, const_cast<T*>(x), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return (int)cudaErrorInvalidValue;
-  static bool attr_set[64] = {};
-  if (!attr_set[dev]) {
-    const cudaError_t e = cudaFuncSetAttribute(gemm_tiled_kernel<T, K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               (int)GEMM_SMEM_END);
+  const auto kernel = BN == 256 ? gemm_tiled_kernel<T, K, 256> : gemm_tiled_kernel<T, K, 128>;
+  static bool attr_set[2][64] = {};
+  if (!attr_set[BN == 256][dev]) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)GEMM_SMEM_END);
     if (e != cudaSuccess) return (int)e;
-    attr_set[dev] = true;
+    attr_set[BN == 256][dev] = true;
   }
-  const dim3 grid((unsigned)((out / 16 + GEMM_WARPS - 1) / GEMM_WARPS), (unsigned)((M + GEMM_BN - 1) / GEMM_BN),
-                  (unsigned)splits);
-  gemm_tiled_kernel<T, K><<<grid, GEMM_THREADS, GEMM_SMEM_END, st>>>(map, (int)M, wt, at, scale, cb, bias, out,
-                                                                       (int)in, y, ws, splits);
+  const dim3 grid((unsigned)((out / 16 + GEMM_WARPS - 1) / GEMM_WARPS), (unsigned)((M + BN - 1) / BN), (unsigned)splits);
+  kernel<<<grid, GEMM_THREADS, GEMM_SMEM_END, st>>>(map, (int)M, wt, at, scale, cb, bias, out, (int)in, y, ws, splits);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || splits == 1) return (int)e;
   gemm_reduce_kernel<T><<<grid_for_threads(M * out, 256, 8), 256, 0, st>>>(ws, splits, M * out, out, scale, bias, y);

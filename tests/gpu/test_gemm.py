@@ -64,7 +64,7 @@ def test_gemm_tiled(shape, dtype, M, k):
     y = _gemm(xb, wt, at, s_, cb_, k, in_f, bb)
     _assert_linear_close(y, ref, mag, dtype, rel_w=GEMV_REL_W[dtype])
     assert torch.equal(_gemm(xb, wt, at, s_, cb_, k, in_f, bb), y)  # deterministic, k split included
-    if M > dispatch.GEMV_MAX_M:  # the path KbitLinear runs above the GEMV's rows
+    if dispatch.linear_uses_gemm(M, dtype, out_f, in_f):  # the path KbitLinear runs
         assert torch.equal(kernels.linear(xb, wt, at, s_, cb_, k, in_f, bb), y)
         assert torch.equal(torch.ops.kbit.linear(xb, wt, at, s_, cb_, k, in_f, bb), y)
 

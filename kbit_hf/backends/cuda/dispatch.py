@@ -4,7 +4,7 @@ batch size, shape and GPU is the library's choice: csrc/kbit_dispatch.h. docs/de
 | rule | why |
 |---|---|
 | `linear`: fused GEMV for 1 <= M <= GEMV_MAX_M rows of fp16/bf16 | the GEMV reads the packed weight once and is bound by those bytes |
-| `linear`, tiled weight, sm_90, M > GEMV_MAX_M rows of fp16/bf16: the tensor-core GEMM | decodes each weight tile once per 128 tokens in registers; no bf16 copy of the weight in memory |
+| `linear`, tiled weight, compute capability 9.0, GEMV_MAX_M < M <= GEMM_MAX_M rows of fp16/bf16 (GEMM_MAX_M_SMALL on small layers): the tensor-core GEMM | decodes each weight tile once per 128-256 tokens in registers; no bf16 copy of the weight in memory; above those rows dequantize + cuBLAS is as fast (numbers below) |
 | `linear`, anything else: dequantize + cuBLAS | the fallback (bit-plane weights, other GPUs, fp32 activations) |
 | `expert_linear`: per-row expert GEMV for N <= EXPERT_GEMV_MAX_N rows (any N up to 65535 while capturing a CUDA graph), else one `linear` per expert present | the per-row kernel needs no host sync; past ~1024 rows re-reading an expert per row costs more than the sync and grouped launches |
 | tiled layout: e4m4 scales, out % 16 == 0, in % 256 == 0, out * in >= TILED_MIN_NUMEL[K], sm_90 | the tiled GEMV streams whole tiles with the TMA; on smaller layers a persistent kernel's start costs more than it saves |
@@ -65,9 +65,19 @@ def linear_uses_gemv(M: int, dtype: torch.dtype) -> bool:
     return 0 < M <= GEMV_MAX_M and dtype in GEMV_DTYPES
 
 
-def linear_uses_gemm(M: int, dtype: torch.dtype) -> bool:
+# The tiled GEMM runs up to GEMM_MAX_M rows (GEMM_MAX_M_SMALL on layers of at most GEMM_SMALL_NUMEL weights); above,
+# dequantize + cuBLAS is as fast or faster. Measured on an H100, K = 4, time ratio bf16 / kbit (GEMM | dq + cuBLAS):
+#   4096x4096    M=256 0.63 | 0.58   M=512 0.58 | 0.66   M=1024 0.69 | 0.76
+#   14336x4096   M=512 0.81 | 0.63   M=1024 0.74 | 0.77  M=2048 0.83 | 0.81   M=4096 0.78 | 0.84
+#   4096x14336   M=512 0.70 | 0.61   M=1024 0.75 | 0.75  M=2048 0.78 | 0.86
+#   28672x8192   M=1024 0.89 | 0.73  M=2048 0.93 | 0.81  M=4096 0.90 | 0.97
+GEMM_MAX_M, GEMM_MAX_M_SMALL, GEMM_SMALL_NUMEL = 1024, 256, 4096 * 4096
+
+
+def linear_uses_gemm(M: int, dtype: torch.dtype, out_features: int, in_features: int) -> bool:
     """For a tiled weight on a device where gemm_runs_on."""
-    return M > GEMV_MAX_M and dtype in GEMV_DTYPES
+    most = GEMM_MAX_M_SMALL if out_features * in_features <= GEMM_SMALL_NUMEL else GEMM_MAX_M
+    return GEMV_MAX_M < M <= most and dtype in GEMV_DTYPES
 
 
 def expert_linear_uses_gemv(N: int, dtype: torch.dtype, capturing: bool) -> bool:

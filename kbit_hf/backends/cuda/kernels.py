@@ -278,7 +278,8 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
                 return y
     _need("linear", x, packed, absmax, scale, bias)
     M = x.numel() // in_features if in_features > 0 else 0
-    if (is_tiled(packed) and dispatch.linear_uses_gemm(M, x.dtype) and x.shape[-1] == in_features
+    if (is_tiled(packed) and dispatch.linear_uses_gemm(M, x.dtype, packed.shape[0], in_features)
+            and x.shape[-1] == in_features
             and (bias is None or bias.dtype == x.dtype) and dispatch.gemm_runs_on(x.get_device())):
         x2 = x.reshape(M, in_features)
         y = x.new_empty((M, packed.shape[0]))
