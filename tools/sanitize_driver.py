@@ -5,8 +5,8 @@
 
 Bit planes (K = 2..5, both block-scale formats): quantize, dequantize, the fused GEMV (M <= 8, the token tiles up to
 M = 64, the folded 8-row tiles), dequantize + cuBLAS (M = 65), the per-row expert GEMV and the grouped expert path.
-Tiled layout (K = 2..5, e4m4): tile, untile, dequantize, and on sm_90 the tiled GEMV, the library's choice through
-kernels.linear and every variant of kernels.TILED_KERNELS forced through kernels.linear_out. Prints the calls per
+Tiled layout (K = 2..5, e4m4): tile, untile, dequantize, and on sm_90 the tiled GEMV and GEMM, the library's choice
+through kernels.linear and every GEMV variant of kernels.TILED_KERNELS forced through kernels.linear_out. Prints the calls per
 family; the sanitizer's exit code says whether any of them misbehaved. Arguments narrow the run (--help). Under
 racecheck pass --sync: its host memory grows with the launches queued ahead of the GPU (past 120 GiB without it).
 """
@@ -27,6 +27,8 @@ GEMV_M = (1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65)  # 65: dequantize + cuBLAS
 # (48, 512): fewer tiles than SMs; (272, 768): 17 tiles of 3 chunks
 TILED_SHAPES = [(48, 512), (272, 768)]
 TILED_M = (1, 8, 9, 17, 33, 64)
+# the tiled GEMM (a k split on both shapes; 128 and 256 tokens per CTA, partial token tiles); 2000: dequantize + cuBLAS
+GEMM_M = (65, 130, 300, 2000)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 X_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -76,6 +78,7 @@ def bit_planes(calls: Counter, ks) -> None:
 
 def tiled(calls: Counter, ks, variants=None) -> None:
     gemv = dispatch.tiled_gemv_runs_on(torch.cuda.current_device())
+    gemm = dispatch.gemm_runs_on(torch.cuda.current_device())
     auto = variants is None or "auto" in variants
     forced = [name for name in kernels.TILED_KERNELS if name != "auto" and (variants is None or name in variants)]
     for k, (out_f, in_f) in itertools.product([k for k in ks if k in TILED_K], TILED_SHAPES):
@@ -95,11 +98,13 @@ def tiled(calls: Counter, ks, variants=None) -> None:
             continue
         for xdt in X_DTYPES:
             bias = torch.randn(out_f, device="cuda", dtype=xdt)
-            for M in TILED_M + (65,) if auto else ():  # the library's choice; 65: dequantize (tiled) + cuBLAS
+            for M in TILED_M + GEMM_M if auto else ():  # the library's choice: GEMV, GEMM, dequantize + cuBLAS
                 _step(f"  {xdt}, auto, M = {M}")
                 x = torch.randn(M, in_f, device="cuda", dtype=xdt)
                 kernels.linear(x, wt, at, s, cb, k, in_f, bias)
-                calls["gemv tiled, auto" if M <= dispatch.GEMV_MAX_M else "dequantize tiled + cuBLAS"] += 1
+                calls["gemv tiled, auto" if M <= dispatch.GEMV_MAX_M
+                      else "gemm tiled" if gemm and dispatch.linear_uses_gemm(M, xdt, out_f, in_f)
+                      else "dequantize tiled + cuBLAS"] += 1
             for name, M in itertools.product(forced, TILED_M):
                 _step(f"  {xdt}, {name}, M = {M}")
                 x = torch.randn(M, in_f, device="cuda", dtype=xdt)
