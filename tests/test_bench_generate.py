@@ -86,3 +86,21 @@ def test_table_hides_first_token_times_under_defer_stop():
     deferred = generate.table({"results": [res], "defer_stop": True})
     assert "12.5" in plain and "5120" in plain
     assert "12.5" not in deferred and "5120" not in deferred and "100.0" in deferred
+
+
+def test_train_benchmark_tiny_cpu(tmp_path, capsys):
+    """`kbit-bench train`: a LoRA step on a tiny shape for bf16 and kbit, tokens/s and a finite loss for each."""
+    pytest.importorskip("peft")
+    out_json = tmp_path / "t.json"
+    rc = main(["train", "--model", "tiny-llama", "--methods", "bf16,kbit4", "--batch", "2", "--seq-len", "16",
+               "--steps", "2", "--warmup", "1", "--device", "cpu", "--workdir", str(tmp_path / "ckpt"),
+               "--json", str(out_json)])
+    assert rc == 0
+    report = json.loads(out_json.read_text())
+    by = {m["method"]: m for m in report["methods"]}
+    assert set(by) == {"bf16", "kbit4"}
+    for m in by.values():
+        assert "error" not in m, m
+        assert m["tokens_per_s"] > 0 and m["trainable"] > 0 and m["loss"] == m["loss"]
+    assert by["kbit4"]["trainable"] == by["bf16"]["trainable"]  # the same adapters on the same layers
+    assert "tokens/s" in capsys.readouterr().out

@@ -5,6 +5,7 @@
   generate  end-to-end `generate`: load time, memory, time to first token, prefill and decode tokens/s, eager and
             static cache, on named model shapes (random weights) or a local checkpoint, against bf16,
             bitsandbytes NF4 and torchao int4; table, JSON and PNG chart
+  train     a LoRA training step (QLoRA): tokens/s and peak memory against bf16 LoRA and bitsandbytes NF4
   plot      the chart and table of a `generate` JSON file
 """
 
@@ -30,6 +31,10 @@ def main(argv=None):
     from .generate import add_arguments
 
     add_arguments(pg)
+    pt = sub.add_parser("train", help="LoRA training-step speed and memory (QLoRA) on a named shape")
+    from .train import add_arguments as add_train_arguments
+
+    add_train_arguments(pt)
     pp = sub.add_parser("plot", help="chart + table from a `generate` JSON file")
     pp.add_argument("json_in")
     pp.add_argument("png_out")
@@ -42,6 +47,10 @@ def main(argv=None):
         from .generate import run
 
         return run(args)
+    if args.cmd == "train":
+        from .train import run as run_train
+
+        return run_train(args)
     if args.cmd == "plot":
         from .generate import plot_main
 
