@@ -1681,8 +1681,8 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1)
                       const float* __restrict__ codebook, const T* __restrict__ bias, int64_t out, int in,
                       T* __restrict__ y, float* __restrict__ ws, int splits) {
 #if !KBIT_WGMMA
-  __trap();  // sm_90a only: the launcher refuses other devices
-#else
+  __trap();  // sm_90a only: the launcher refuses other devices (the rest compiles everywhere, its wgmmas to nothing)
+#endif
   using L = Tiled<K>;
   extern __shared__ __align__(128) unsigned char smem[];  // window addresses: 1024-aligned stages
   const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
@@ -1708,7 +1708,9 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1)
   build_pair_table<T, K, false, GEMM_THREADS>(win, codebook_lane<K>(codebook, lane), TiledScales<T>::A_TABLE);
   __syncthreads();
   if (warp >= GEMM_WARPS) {  // the producer warpgroup: one lane issues the copies
+#if KBIT_WGMMA
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(GEMM_PRODUCER_REGS));
+#endif
     if (warp == GEMM_WARPS && lane == 0) {
       for (int j = 0; j < steps; ++j) {
         const int s = j % GEMM_STAGES;
@@ -1722,7 +1724,9 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1)
     }
     return;
   }
+#if KBIT_WGMMA
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(GEMM_CONSUMER_REGS));
+#endif
   const int64_t t = (int64_t)blockIdx.x * GEMM_WARPS + warp;  // this warp's tile
   const bool active = t < out / 16;
   const uint32_t cl = table_lane<K, false>(lane);
@@ -1814,7 +1818,6 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1)
       if (n0 + m < M) part[(int64_t)m * out + 16 * t + g + 8 * ((i >> 1) & 1)] = acc[i] * post;
     }
   }
-#endif
 }
 // y = (the sum of the splits' partial sums, in split order) x the tensor scale (+ bias)
 template <typename T>
