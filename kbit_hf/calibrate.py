@@ -474,9 +474,9 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def _kbit_linear(orig: nn.Linear, packed, codes, scale, codebook, config: KbitConfig) -> KbitLinear:
+def _kbit_linear(orig: nn.Linear, packed, codes, scale, codebook, config: KbitConfig, k: int) -> KbitLinear:
     dev = orig.weight.device
-    new = KbitLinear(orig.in_features, orig.out_features, orig.bias is not None, config.k, config.absmax_format,
+    new = KbitLinear(orig.in_features, orig.out_features, orig.bias is not None, k, config.absmax_format,
                      codebook, pre_quantized=True, dtype=orig.weight.dtype, device="meta")
     new.weight = _frozen(packed.to(dev))
     new.weight_absmax = _frozen(codes.to(dev))
@@ -488,10 +488,10 @@ def _kbit_linear(orig: nn.Linear, packed, codes, scale, codebook, config: KbitCo
     return new
 
 
-def _rtn_linear(orig: nn.Linear, codebook, config: KbitConfig) -> KbitLinear:
-    packed, codes, scale = ops.quantize(orig.weight.detach(), codebook.to(orig.weight.device), config.k,
+def _rtn_linear(orig: nn.Linear, codebook, config: KbitConfig, k: int) -> KbitLinear:
+    packed, codes, scale = ops.quantize(orig.weight.detach(), codebook.to(orig.weight.device), k,
                                         config.absmax_format)
-    return _kbit_linear(orig, packed, codes, scale, codebook, config)
+    return _kbit_linear(orig, packed, codes, scale, codebook, config, k)
 
 
 def _experts_weight_oi(orig: nn.Module, name: str) -> torch.Tensor:
@@ -594,7 +594,9 @@ def quantize(model_or_path, config: KbitConfig, calibration=None, *, tokenizer=N
     Args:
         model_or_path: a float transformers causal LM (quantized in place: its linears are replaced) or a folder /
             hub id to load one from (in its checkpoint dtype, on the CPU).
-        config: the KbitConfig (k, codebook, absmax_format, modules_to_not_convert, quantize_lm_head) to produce.
+        config: the KbitConfig (k, codebook, absmax_format, modules_to_not_convert, quantize_lm_head, module_k) to
+            produce; with module_k every module is calibrated at its own k (linears sharing an input are grouped by
+            k).
         calibration: a text, a list of texts (joined with blank lines) or token ids (1-D/2-D tensor or lists).
         tokenizer: tokenizes text calibration; default: the one in model_or_path when it is a folder.
         n_tokens, seq_len: calibration windows: n_tokens // seq_len aligned windows of seq_len tokens, picked from
@@ -655,7 +657,15 @@ def quantize(model_or_path, config: KbitConfig, calibration=None, *, tokenizer=N
 
     hfq = KbitHfQuantizer(copy.deepcopy(config), pre_quantized=False)
     hfq.modules_to_not_convert = hfq._skip_list(model)
-    codebook = config.codebook_tensor()
+    codebooks: dict[int, torch.Tensor] = {}
+
+    def codebook(name: str) -> tuple[int, torch.Tensor]:
+        """(k, codebook) of the module with this dotted name: config.module_k decides k, as from_pretrained does."""
+        k = config.k_for(name)
+        if k not in codebooks:
+            codebooks[k] = config.codebook_tensor(k)
+        return k, codebooks[k]
+
     layers_name, layers = _decoder_layers(model)
     was_training = model.training
     model.eval()
@@ -689,10 +699,11 @@ def quantize(model_or_path, config: KbitConfig, calibration=None, *, tokenizer=N
         for name, module in list(model.named_modules()):
             if not name or not hfq._should_convert(name):
                 continue
+            k, cb = codebook(name)
             if isinstance(module, nn.Linear) and not isinstance(module, KbitLinear):
-                model.set_submodule(name, _rtn_linear(module, codebook, config))
+                model.set_submodule(name, _rtn_linear(module, cb, config, k))
             elif is_fused_experts(module) and not isinstance(module, KbitMoE):
-                moe = KbitMoE(module, config.k, config.absmax_format, codebook, pre_quantized=False)
+                moe = KbitMoE(module, k, config.absmax_format, cb, pre_quantized=False)
                 for pname in moe.quantized_names:
                     for key, t in moe.quantize_param(pname, getattr(module, pname).detach()).items():
                         setattr(moe, key, _frozen(t))
@@ -761,21 +772,28 @@ def _collect_linear(layer, groups: list[_Group], inputs, calls, stop: bool) -> d
 
 def _quantize_linear_group(layer, g: _Group, hess: _Hessian, codebook, config, report, prefix, damp, order,
                            scales) -> None:
-    modules = [layer.get_submodule(n) for n in g.names]
-    w = torch.cat([m.weight.detach().float() for m in modules])
+    """The linears of a group share one input and so one H; those of equal k (config.module_k) are encoded together
+    (each keeps its own per-tensor scale), one call per k."""
     h = hess.mean()
-    enc = gptq_rows(w, h, codebook, config.absmax_format, segments=[m.out_features for m in modules], damp=damp,
-                    order=order, scales=scales)
-    packed = pack_rows(enc, config.k, codebook)
-    err_rtn, err = error_sample(w, enc, h, codebook, config.absmax_format)
-    report.groups.append({"modules": [prefix + n for n in g.names], "tokens": hess.count, "rel_err_rtn": err_rtn,
-                          "rel_err": err})
-    r0 = 0
-    for name, m in zip(g.names, modules):
-        r1 = r0 + m.out_features
-        layer.set_submodule(name, _kbit_linear(m, packed[r0:r1], enc.codes[r0:r1], enc.row_scale[r0], codebook,
-                                               config))
-        r0 = r1
+    by_k: dict[int, list[str]] = {}
+    for n in g.names:
+        by_k.setdefault(codebook(prefix + n)[0], []).append(n)
+    for names in by_k.values():
+        k, cb = codebook(prefix + names[0])
+        modules = [layer.get_submodule(n) for n in names]
+        w = torch.cat([m.weight.detach().float() for m in modules])
+        enc = gptq_rows(w, h, cb, config.absmax_format, segments=[m.out_features for m in modules], damp=damp,
+                        order=order, scales=scales)
+        packed = pack_rows(enc, k, cb)
+        err_rtn, err = error_sample(w, enc, h, cb, config.absmax_format)
+        report.groups.append({"modules": [prefix + n for n in names], "k": k, "tokens": hess.count,
+                              "rel_err_rtn": err_rtn, "rel_err": err})
+        r0 = 0
+        for name, m in zip(names, modules):
+            r1 = r0 + m.out_features
+            layer.set_submodule(name, _kbit_linear(m, packed[r0:r1], enc.codes[r0:r1], enc.row_scale[r0], cb, config,
+                                                   k))
+            r0 = r1
 
 
 def _quantize_experts(layer, name: str, inputs, calls, codebook, config, report, prefix, damp, order, scales,
@@ -783,7 +801,8 @@ def _quantize_experts(layer, name: str, inputs, calls, codebook, config, report,
     """Fused experts: gate_up (or up) from per-expert H of the tokens routed to each expert, then down from the
     inputs the quantized gate_up produces; experts with fewer than min_expert_tokens tokens keep round-to-nearest."""
     orig = layer.get_submodule(name)
-    moe = KbitMoE(orig, config.k, config.absmax_format, codebook, pre_quantized=True)
+    k, codebook = codebook(prefix + name)
+    moe = KbitMoE(orig, k, config.absmax_format, codebook, pre_quantized=True)
     e_count = moe.num_experts
     first = moe.quantized_names[0]  # gate_up_proj or up_proj
     second = "down_proj"
@@ -825,12 +844,12 @@ def _quantize_experts(layer, name: str, inputs, calls, codebook, config, report,
         for e in range(e_count):
             w = w_all[e]
             if hess[e].count < min_expert_tokens:
-                p, a, s = ops.quantize(w, codebook.to(w.device), config.k, config.absmax_format)
+                p, a, s = ops.quantize(w, codebook.to(w.device), k, config.absmax_format)
                 fallback += 1
             else:
                 h = hess[e].mean()
                 enc = gptq_rows(w, h, codebook, config.absmax_format, damp=damp, order=order, scales=scales)
-                p, a, s = pack_rows(enc, config.k, codebook), enc.codes, enc.row_scale[0]
+                p, a, s = pack_rows(enc, k, codebook), enc.codes, enc.row_scale[0]
                 e_rtn, e_q = error_sample(w, enc, h, codebook, config.absmax_format)
                 err_rtn.append(e_rtn)
                 err_q.append(e_q)
