@@ -6,10 +6,9 @@ Importing this never fails: without the library (an install whose build failed, 
 
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import torch
+
+from ..ctypes_library import I32 as _i32, I64 as _i64, LIB_DIR, PTR as _vp, open_library
 
 # csrc/cpu/kbit_cpu.cpp KBIT_CPU_ABI_VERSION: a library built from other sources is refused
 ABI_VERSION = 1
@@ -17,7 +16,6 @@ ABI_VERSION = 1
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 ISA_NAMES = ("scalar", "avx2", "avx512")  # kbit_cpu_isa() codes
 
-_vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "kbit_cpu_isa": [],
     "kbit_cpu_set_isa": [_i32],
@@ -36,29 +34,12 @@ _isa = "scalar"  # kbit_cpu_isa(), cached: dispatch asks per call
 
 def _load():
     global lib, _load_error, _lib_path, _isa
-    path = Path(__file__).resolve().parents[2] / "_lib" / "libkbit_cpu.so"
-    if not path.is_file():
-        _load_error = f"{path}: not found"
-        return
     # torch is imported first, so its OpenMP runtime (libgomp.so.1 in torch/lib) is the one the library binds to:
     # one thread pool for both
-    try:
-        handle = ctypes.CDLL(str(path))
-    except OSError as exc:
-        _load_error = f"{path}: {exc}"
-        return
-    handle.kbit_cpu_abi_version.restype = _i32
-    handle.kbit_cpu_abi_version.argtypes = []
-    if handle.kbit_cpu_abi_version() != ABI_VERSION:
-        _load_error = f"{path}: ABI version {handle.kbit_cpu_abi_version()} != {ABI_VERSION} (rebuild the package)"
-        return
-    handle.kbit_cpu_error_string.restype = ctypes.c_char_p
-    handle.kbit_cpu_error_string.argtypes = [_i32]
-    for name, args in _SIGNATURES.items():
-        fn = getattr(handle, name)
-        fn.restype = _i32
-        fn.argtypes = args
-    lib, _lib_path, _isa = handle, str(path), ISA_NAMES[handle.kbit_cpu_isa()]
+    path = LIB_DIR / "libkbit_cpu.so"
+    lib, _load_error = open_library(path, "kbit_cpu_abi_version", ABI_VERSION, "kbit_cpu_error_string", _SIGNATURES)
+    if lib is not None:
+        _lib_path, _isa = str(path), ISA_NAMES[lib.kbit_cpu_isa()]
 
 
 try:

@@ -7,18 +7,18 @@ a path loads that library instead of the packaged one, `off` turns the compiled 
 
 from __future__ import annotations
 
-import ctypes
 import os
 from pathlib import Path
 
 import torch
+
+from ..ctypes_library import I32 as _i32, I64 as _i64, LIB_DIR, PTR as _vp, open_library
 
 # csrc/kbit_quant.cu kbit_abi_version(): a library built from other sources is refused
 ABI_VERSION = 11
 
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
-_vp, _i64, _i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "kbit_quantize": [_vp, _i32, _i64, _i64, _i64, _vp, _i32, _i32, _vp, _vp, _vp, _vp],
     "kbit_dequantize": [_vp, _vp, _i32, _vp, _vp, _i32, _i64, _i64, _i64, _vp, _i32, _vp],
@@ -39,43 +39,16 @@ _load_error: str | None = None
 _lib_path: str | None = None
 
 
-def _candidates():
-    env = os.environ.get("KBIT_CUDA_LIB")
-    if env:
-        yield Path(env)
-    else:
-        yield Path(__file__).resolve().parents[2] / "_lib" / "libkbit_cuda.so"
-
-
 def _load():
     global lib, _load_error, _lib_path
-    if os.environ.get("KBIT_CUDA_LIB", "").lower() == "off":
+    env = os.environ.get("KBIT_CUDA_LIB", "")
+    if env.lower() == "off":
         _load_error = "turned off by KBIT_CUDA_LIB=off"
         return
-    errors = []
-    for path in _candidates():
-        if not path.is_file():
-            errors.append(f"{path}: not found")
-            continue
-        try:
-            handle = ctypes.CDLL(str(path))
-        except OSError as exc:  # e.g. no libcuda on this machine
-            errors.append(f"{path}: {exc}")
-            continue
-        handle.kbit_abi_version.restype = _i32
-        handle.kbit_abi_version.argtypes = []
-        if handle.kbit_abi_version() != ABI_VERSION:
-            errors.append(f"{path}: ABI version {handle.kbit_abi_version()} != {ABI_VERSION} (rebuild the package)")
-            continue
-        handle.kbit_error_string.restype = ctypes.c_char_p
-        handle.kbit_error_string.argtypes = [_i32]
-        for name, args in _SIGNATURES.items():
-            fn = getattr(handle, name)
-            fn.restype = _RESTYPES.get(name, _i32)
-            fn.argtypes = args
-        lib, _lib_path = handle, str(path)
-        return
-    _load_error = "; ".join(errors)
+    path = Path(env) if env else LIB_DIR / "libkbit_cuda.so"
+    lib, _load_error = open_library(path, "kbit_abi_version", ABI_VERSION, "kbit_error_string", _SIGNATURES,
+                                    _RESTYPES)
+    _lib_path = str(path) if lib is not None else None
 
 
 try:
