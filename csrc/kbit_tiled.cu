@@ -1,6 +1,7 @@
 // kbit_tiled.cu: the tiled layout of large K = 2..5 Linear weights on sm_90 (described in Python at
 // kbit_hf/backends/cuda/tiled.py, and in docs/design.md): the conversions from and to the bit planes, two fused GEMVs
-// over it (M = 1..64) and its dequantize. Which GEMV a call runs, and its launch shape: kbit_dispatch.h.
+// over it (M = 1..64), a tensor-core GEMM (M > 64, wgmma: its own comment at gemm_tiled_kernel) and its dequantize.
+// Which GEMV a call runs, and its launch shape: kbit_dispatch.h.
 //
 // Layout (out % 16 == 0, in % 256 == 0; T = out / 16 tiles, C = in / 128 chunks per row): a permutation of the bits
 // of the bit planes and the e4m4 block scales. 256 K bytes of weights per (tile t, chunk c), 8 K per lane l = 4 g + q.
