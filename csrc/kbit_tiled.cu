@@ -1863,6 +1863,7 @@ int gemm_tiled_launch(const T* x, int64_t M, const uint8_t* wt, const uint8_t* a
   const int splits = gemm_splits(out / 16, M, in, sms);
   if (splits > 1 && ws_bytes < gemm_workspace_bytes(out / 16, M, in, sms)) return (int)cudaErrorInvalidValue;
   const int BN = gemm_tokens_per_cta(M);
+  if ((M + BN - 1) / BN > 65535) return (int)cudaErrorInvalidConfiguration;  // grid.y
   CUtensorMap map;
   const cuuint64_t dims[2] = {(cuuint64_t)in, (cuuint64_t)M}, strides[1] = {(cuuint64_t)in * sizeof(T)};
   const cuuint32_t box[2] = {64, (cuuint32_t)BN}, estr[2] = {1, 1};
