@@ -104,3 +104,14 @@ def test_train_benchmark_tiny_cpu(tmp_path, capsys):
         assert m["tokens_per_s"] > 0 and m["trainable"] > 0 and m["loss"] == m["loss"]
     assert by["kbit4"]["trainable"] == by["bf16"]["trainable"]  # the same adapters on the same layers
     assert "tokens/s" in capsys.readouterr().out
+
+
+def test_calibrate_benchmark_tiny_cpu(tmp_path, capsys):
+    """`kbit-bench calibrate`: calibrated quantization of a tiny shape, its time reported."""
+    out_json = tmp_path / "c.json"
+    rc = main(["calibrate", "--model", "tiny-llama", "--k", "3", "--tokens", "256", "--seq-len", "64", "--device",
+               "cpu", "--workdir", str(tmp_path / "ckpt"), "--json", str(out_json)])
+    assert rc == 0
+    report = json.loads(out_json.read_text())
+    assert report["layers"] == 2 and report["seconds"] > 0 and report["k"] == 3
+    assert "calibrated K=3" in capsys.readouterr().out

@@ -6,6 +6,7 @@
             static cache, on named model shapes (random weights) or a local checkpoint, against bf16,
             bitsandbytes NF4 and torchao int4; table, JSON and PNG chart
   train     a LoRA training step (QLoRA): tokens/s and peak memory against bf16 LoRA and bitsandbytes NF4
+  calibrate wall time and peak device memory of calibrated quantization of a named shape
   plot      the chart and table of a `generate` JSON file
 """
 
@@ -35,6 +36,10 @@ def main(argv=None):
     from .train import add_arguments as add_train_arguments
 
     add_train_arguments(pt)
+    pc = sub.add_parser("calibrate", help="time and peak memory of calibrated quantization on a named shape")
+    from .calibrate import add_arguments as add_calibrate_arguments
+
+    add_calibrate_arguments(pc)
     pp = sub.add_parser("plot", help="chart + table from a `generate` JSON file")
     pp.add_argument("json_in")
     pp.add_argument("png_out")
@@ -51,6 +56,10 @@ def main(argv=None):
         from .train import run as run_train
 
         return run_train(args)
+    if args.cmd == "calibrate":
+        from .calibrate import run as run_calibrate
+
+        return run_calibrate(args)
     if args.cmd == "plot":
         from .generate import plot_main
 
