@@ -15,8 +15,9 @@ fi
 archs="${KBIT_CUDA_ARCHS:-80 86 89 90}"
 gencode=()
 for a in $archs; do
-  [ "$a" = 90 ] && a=90a  # the GEMM's wgmma needs the architecture-specific target (as CMakeLists.txt)
-  gencode+=("-gencode=arch=compute_${a},code=sm_${a}")
+  sass=$a
+  [ "$a" = 90 ] && sass=90a  # the GEMM's wgmma needs the architecture-specific target (as CMakeLists.txt)
+  gencode+=("-gencode=arch=compute_${sass},code=sm_${sass}" "-gencode=arch=compute_${a},code=compute_${a}")
 done
 flags=(-O3 -std=c++17 --expt-relaxed-constexpr -Xcompiler -fPIC -Xcompiler -fvisibility=hidden -Werror all-warnings "${gencode[@]}")
 pids=()
@@ -34,7 +35,7 @@ if [ "$rc" != 0 ]; then echo "check_build: FAILED" >&2; exit 1; fi
 "$NVCC" -shared "${gencode[@]}" -cudart static -o "$out/libkbit_cuda.so" "${objs[@]}"
 # the C ABI symbols must be exported
 for sym in kbit_abi_version kbit_error_string kbit_quantize kbit_dequantize kbit_gemv kbit_expert_gemv kbit_tile \
-    kbit_untile kbit_dequantize_tiled kbit_gemv_tiled kbit_gemv_tiled_kernel kbit_gemm_tiled kbit_gemm_tiled_workspace; do
+    kbit_untile kbit_dequantize_tiled kbit_gemv_tiled kbit_gemv_tiled_kernel kbit_gemm_tiled kbit_gemm_tiled_workspace kbit_gemm_tiled_available; do
   nm -D --defined-only "$out/libkbit_cuda.so" | grep -q " T $sym\$" || { echo "check_build: $sym not exported" >&2; exit 1; }
 done
 echo "check_build: OK ($out/libkbit_cuda.so)"

@@ -79,6 +79,8 @@ KBIT_API int kbit_gemv_tiled_kernel(const void* x, int x_dtype, int64_t M, const
  * too few tiles to fill the GPU the library splits the k range and needs a workspace of
  * kbit_gemm_tiled_workspace(M, out, in) bytes (0: none; -1: bad shape or no device) on the current device. */
 KBIT_API int64_t kbit_gemm_tiled_workspace(int64_t M, int64_t out, int64_t in);
+/* 1 when the GEMM runs on the current device: compute capability 9.0 and this library built with sm_90a code. */
+KBIT_API int kbit_gemm_tiled_available(void);
 KBIT_API int kbit_gemm_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at, const float* scale,
                              const float* codebook, int k, int64_t out, int64_t in, const void* bias, void* y,
                              void* workspace, int64_t workspace_bytes, void* stream);

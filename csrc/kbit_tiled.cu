@@ -1542,7 +1542,7 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
 // global memory (a register double buffer; no other warp needs them), decodes a block with the pair table
 // (lookup_block) times its block scale (a_scale): the GEMVs' m16n8k16 A operands, whose k order inside a block
 // (lane q holds elements 8 q .. 8 q + 7) is not wgmma's natural order of B in shared memory, so x comes permuted to
-// match (kbit_api.h). Then one m64n128k16 wgmma per k slice, A from registers, B from the stage (descriptor: the
+// match (kbit_api.h). Then one m64nBNk16 wgmma per k slice, A from registers, B from the stage (descriptor: the
 // slice's 32-byte column of the swizzled rows).
 constexpr int GEMM_WARPS = 8, GEMM_THREADS = GEMM_WARPS * 32 + 128, GEMM_STAGES = 4;
 // registers per thread after setmaxnreg: the producer warpgroup gives its own to the consumers' accumulators
@@ -1567,6 +1567,8 @@ static_assert(gemm_stage_addr(0) + GEMM_STAGE <= TABLE && GEMM_EMPTY + 8 * GEMM_
 #else
 #define KBIT_WGMMA 0
 #endif
+// 1 in the image the device runs when it is sm_90a machine code (elsewhere the GEMM traps: gemm_tiled_available)
+__device__ int gemm_image_has_wgmma = KBIT_WGMMA;
 
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
 #if KBIT_SM90
@@ -1842,24 +1844,41 @@ EncodeTiledFn encode_tiled() {
   static const EncodeTiledFn fn = [] {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult r;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &r) != cudaSuccess ||
-        r != cudaDriverEntryPointSuccess)
-      return (EncodeTiledFn) nullptr;
+#if CUDART_VERSION >= 12050
+    const cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &r);
+#else
+    const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &r);
+#endif
+    if (e != cudaSuccess || r != cudaDriverEntryPointSuccess) return (EncodeTiledFn) nullptr;
     return reinterpret_cast<EncodeTiledFn>(p);
   }();
   return fn;
 }
 
+// The GEMM runs on the current device: compute capability 9.0, its image built as sm_90a (a library built for other
+// architectures runs PTX there, where the kernel would trap), and the driver's tensor-map encoder found. Cached.
+bool gemm_tiled_available(int dev) {
+  static int known[64] = {};  // 0: not asked yet, 1: yes, 2: no
+  if (dev < 0 || dev >= 64) return false;
+  if (known[dev] == 0) {
+    int major = 0, minor = 0, wgmma = 0;
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
+                    major == 9 && minor == 0 &&
+                    cudaMemcpyFromSymbol(&wgmma, gemm_image_has_wgmma, sizeof wgmma) == cudaSuccess && wgmma == 1 &&
+                    encode_tiled() != nullptr;
+    known[dev] = ok ? 1 : 2;
+  }
+  return known[dev] == 1;
+}
+
 template <typename T, int K>
 int gemm_tiled_launch(const T* x, int64_t M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                       const T* bias, int64_t out, int64_t in, T* y, float* ws, int64_t ws_bytes, cudaStream_t st) {
-  int dev = 0, sms = 0, major = 0, minor = 0;
-  if (!current_device_sms(dev, sms) || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != 0 ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != 0)
-    return (int)cudaErrorInvalidDevice;
-  if (major != 9 || minor != 0) return (int)cudaErrorNotSupported;  // wgmma: sm_90a code runs on sm_90 only
+  int dev = 0, sms = 0;
+  if (!current_device_sms(dev, sms)) return (int)cudaErrorInvalidDevice;
+  if (!gemm_tiled_available(dev)) return (int)cudaErrorNotSupported;
   const EncodeTiledFn encode = encode_tiled();
-  if (encode == nullptr) return (int)cudaErrorNotSupported;
   const int splits = gemm_splits(out / 16, M, in, sms);
   if (splits > 1 && ws_bytes < gemm_workspace_bytes(out / 16, M, in, sms)) return (int)cudaErrorInvalidValue;
   const int BN = gemm_tokens_per_cta(M);
@@ -1973,6 +1992,11 @@ KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* 
                              const float* codebook, int k, int64_t out, int64_t in, const void* bias, void* y,
                              void* stream) {
   return kbit_gemv_tiled_kernel(x, x_dtype, M, wt, at, scale, codebook, k, out, in, bias, y, KBIT_TILED_AUTO, stream);
+}
+
+KBIT_API int kbit_gemm_tiled_available(void) {
+  int dev = 0, sms = 0;
+  return current_device_sms(dev, sms) && gemm_tiled_available(dev) ? 1 : 0;
 }
 
 KBIT_API int64_t kbit_gemm_tiled_workspace(int64_t M, int64_t out, int64_t in) {

@@ -27,8 +27,12 @@ GEMV_M = (1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65)  # 65: dequantize + cuBLAS
 # (48, 512): fewer tiles than SMs; (272, 768): 17 tiles of 3 chunks
 TILED_SHAPES = [(48, 512), (272, 768)]
 TILED_M = (1, 8, 9, 17, 33, 64)
-# the tiled GEMM (a k split on both shapes; 128 and 256 tokens per CTA, partial token tiles); 2000: dequantize + cuBLAS
+# the library's choice above 64 rows on TILED_SHAPES: the tiled GEMM at 65 and 130 (128 and 256 tokens per CTA,
+# partial token tiles), dequantize + cuBLAS at 300 and 2000 (small layers); and the GEMM forced on GEMM_SHAPES, whose
+# k range is split (272 x 2304: 4 splits of 9 items) through the workspace and gemm_reduce_kernel
 GEMM_M = (65, 130, 300, 2000)
+GEMM_SHAPES = [(272, 2304)]
+GEMM_FORCED_M = (65, 130, 300)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 X_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -111,6 +115,19 @@ def tiled(calls: Counter, ks, variants=None) -> None:
                 y = torch.empty(M, out_f, device="cuda", dtype=xdt)
                 kernels.linear_out(x, wt, at, s, cb, k, in_f, bias if M % 2 else None, y, tiled_kernel=name)
                 calls[f"gemv tiled, {name}"] += 1
+    if gemm and auto:
+        for k, (out_f, in_f) in itertools.product([k for k in ks if k in TILED_K], GEMM_SHAPES):
+            print(f"tiled GEMM, K = {k}, {out_f}x{in_f}", flush=True)
+            cb = fmt.nf0_codebook(k).cuda()
+            p, a, s = kernels.quantize(torch.randn(out_f, in_f, device="cuda"), cb, k, "e4m4")
+            wt, at = tile(p, a, in_f, k)
+            for xdt, M in itertools.product(X_DTYPES, GEMM_FORCED_M):
+                _step(f"  {xdt}, gemm, M = {M}")
+                x = torch.randn(M, in_f, device="cuda", dtype=xdt)
+                y = torch.empty(M, out_f, device="cuda", dtype=xdt)
+                bias = torch.randn(out_f, device="cuda", dtype=xdt) if M % 2 else None
+                kernels.gemm_out(x, wt, at, s, cb, k, in_f, bias, y)
+                calls["gemm tiled, k split"] += 1
     if not gemv:
         print("sanitize_driver: not an sm_90 device, the tiled GEMVs were not run")
 

@@ -19,6 +19,8 @@ def run(args) -> int:
     from ..calibrate import quantize
     from ..config import KbitConfig
 
+    if not 1 <= args.seq_len <= args.tokens:
+        raise SystemExit(f"kbit-bench calibrate: --seq-len must be 1..--tokens ({args.tokens}); got {args.seq_len}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     folder = args.checkpoint or ensure_checkpoint(args.model, args.layers, args.workdir, "cpu")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)

@@ -77,6 +77,9 @@ def run_method(method, folder: str, device, args) -> dict:
 
 
 def run(args) -> int:
+    if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.seq_len < 2:
+        raise SystemExit(f"kbit-bench train: --steps >= 1, --warmup >= 0, --batch >= 1 and --seq-len >= 2; got "
+                         f"{args.steps}, {args.warmup}, {args.batch}, {args.seq_len}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     folder = args.checkpoint or ensure_checkpoint(args.model, args.layers, args.workdir, str(device))
     report = {"model": args.checkpoint or args.model, "layers": args.layers, "batch": args.batch,

@@ -1,7 +1,8 @@
 """GPU tests of the tensor-core GEMM over the tiled layout (csrc/kbit_tiled.cu, gemm_tiled_kernel; M > 64 in
 kernels.linear): against float64 on fresh random inputs into NaN-poisoned outputs, for every K and dtype, token
-counts around the 128-token CTA tile, layers with fewer tiles than a CTA holds (k split through the workspace) and
-with many, bias, determinism, CUDA-graph capture and the path KbitLinear takes."""
+counts around the 128- and 256-token CTA tiles, a layer of one tile and one item, a partial CTA, layers whose k range
+is split through the workspace ((2000, 2304), (4096, 1024), (6144, 4096) at few tokens) and layers of many CTAs, bias,
+determinism, CUDA-graph capture and the path KbitLinear takes."""
 
 import pytest
 import torch
@@ -136,3 +137,29 @@ def test_gemm_tiled_errors():
         kernels.gemm_out(x.float(), wt, at, s, cb, 4, 768, None, torch.empty(100, 272, device="cuda"))
     with pytest.raises(ValueError, match="tiled weight"):
         kernels.gemm_out(x, p, a, s, cb, 4, 768, None, torch.empty(100, 272, device="cuda", dtype=torch.bfloat16))
+
+
+def test_gemm_runs_on_every_compute_capability_9_0_gpu():
+    """The library is built as sm_90a wherever it is built for sm_90, so an H100 / H200 must run the GEMM (not fall
+    back in silence)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("compute capability 9.0 only")
+    assert dispatch.gemm_runs_on(torch.cuda.current_device())
+
+
+def test_gemm_tiled_refuses_too_many_tokens():
+    """More tokens than 65535 CTA rows: an error code before anything is read or launched."""
+    if not _sm90a():
+        pytest.skip("the tiled GEMM is sm_90a")
+    from kbit_hf.backends.cuda import library
+
+    p, a, s = (t.cuda() for t in _quantized((272, 768), 4, 1))
+    wt, at = tile(p, a, 768, 4)
+    x = torch.empty(16, 768, device="cuda", dtype=torch.bfloat16)  # its pointer only: nothing is read
+    cb = fmt.nf0_codebook(4).cuda()
+    rc = library.lib.kbit_gemm_tiled(x.data_ptr(), 2, 65535 * 256 + 1, wt.data_ptr(), at.data_ptr(), s.data_ptr(),
+                                     cb.data_ptr(), 4, 272, 768, 0, x.data_ptr(), 0, 0,
+                                     kernels.stream_of(x.device))
+    assert rc != 0
+    with pytest.raises(ValueError, match="rows of x"):
+        kernels.gemm_out(x[:0], wt, at, s, cb, 4, 768, None, torch.empty(0, 272, device="cuda", dtype=torch.bfloat16))

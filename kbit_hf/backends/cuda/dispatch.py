@@ -4,7 +4,7 @@ batch size, shape and GPU is the library's choice: csrc/kbit_dispatch.h. docs/de
 | rule | why |
 |---|---|
 | `linear`: fused GEMV for 1 <= M <= GEMV_MAX_M rows of fp16/bf16 | the GEMV reads the packed weight once and is bound by those bytes |
-| `linear`, tiled weight, compute capability 9.0, GEMV_MAX_M < M <= GEMM_MAX_M rows of fp16/bf16 (GEMM_MAX_M_SMALL on small layers): the tensor-core GEMM | decodes each weight tile once per 128-256 tokens in registers; no bf16 copy of the weight in memory; above those rows dequantize + cuBLAS is as fast (numbers below) |
+| `linear`, tiled weight, compute capability 9.0, GEMV_MAX_M < M <= GEMM_MAX_M rows of fp16/bf16 (GEMM_MAX_M_SMALL on small layers): the tensor-core GEMM | decodes each weight tile once per 128-256 tokens in registers; no bf16 copy of the weight in memory; above those rows the two are within about 10% on the large layers and dequantize + cuBLAS wins on 4096x4096 (numbers below) |
 | `linear`, anything else: dequantize + cuBLAS | the fallback (bit-plane weights, other GPUs, fp32 activations) |
 | `expert_linear`: per-row expert GEMV for N <= EXPERT_GEMV_MAX_N rows (any N up to 65535 while capturing a CUDA graph), else one `linear` per expert present | the per-row kernel needs no host sync; past ~1024 rows re-reading an expert per row costs more than the sync and grouped launches |
 | tiled layout: e4m4 scales, out % 16 == 0, in % 256 == 0, out * in >= TILED_MIN_NUMEL[K], sm_90 | the tiled GEMV streams whole tiles with the TMA; on smaller layers a persistent kernel's start costs more than it saves |
@@ -39,10 +39,15 @@ def tiled_gemv_runs_on(index: int) -> bool:
 
 
 def gemm_runs_on(index: int) -> bool:
-    """The tiled GEMM runs on CUDA device `index`: compute capability 9.0 exactly (its wgmma code is sm_90a)."""
+    """The tiled GEMM runs on CUDA device `index`: compute capability 9.0 exactly and a library built with sm_90a
+    machine code (its wgmma), as the library says. Cached: asked per call."""
     ok = _sm90a.get(index)
     if ok is None:
-        ok = _sm90a[index] = library.lib is not None and torch.cuda.get_device_capability(index) == (9, 0)
+        ok = library.lib is not None and torch.cuda.get_device_capability(index) == (9, 0)
+        if ok:
+            with torch.cuda.device(index):
+                ok = library.lib.kbit_gemm_tiled_available() == 1
+        _sm90a[index] = ok
     return ok
 
 
@@ -66,7 +71,9 @@ def linear_uses_gemv(M: int, dtype: torch.dtype) -> bool:
 
 
 # The tiled GEMM runs up to GEMM_MAX_M rows (GEMM_MAX_M_SMALL on layers of at most GEMM_SMALL_NUMEL weights); above,
-# dequantize + cuBLAS is as fast or faster. Measured on an H100, K = 4, time ratio bf16 / kbit (GEMM | dq + cuBLAS):
+# dequantize + cuBLAS is within about 10% either way on the large layers (the GEMM ahead on the largest up to 2048
+# rows, behind at 4096) and faster on 4096x4096. Measured on an H100, K = 4, time ratio bf16 / kbit
+# (GEMM | dq + cuBLAS):
 #   4096x4096    M=256 0.63 | 0.58   M=512 0.58 | 0.66   M=1024 0.69 | 0.76
 #   14336x4096   M=512 0.81 | 0.63   M=1024 0.74 | 0.77  M=2048 0.83 | 0.81   M=4096 0.78 | 0.84
 #   4096x14336   M=512 0.70 | 0.61   M=1024 0.75 | 0.75  M=2048 0.78 | 0.86

@@ -1,9 +1,10 @@
 """The CUDA implementations of the kbit ops: thin ctypes calls into libkbit_cuda (kbit_hf/backends/cuda/library.py).
 
 Every launch goes on torch's current stream of the tensors' device; the library never allocates or synchronises, so
-the linear / dequantize paths can be captured in CUDA graphs. Which path runs is decided in dispatch.py; the
-`*_out` variants write into given tensors (no allocation) and `linear_out` can force one tiled GEMV variant, for
-tests and benchmarks.
+the linear / dequantize paths can be captured in CUDA graphs (the GEMM's permuted x and k-split workspace come from
+torch's caching allocator). Which path runs is decided in dispatch.py; `dequantize_out` and `linear_out` write into
+given tensors without allocating, `gemm_out` into a given output, and `linear_out` can force one tiled GEMV variant,
+for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .tiled import gemm_k_order, is_tiled
 # with 1, 2 or 4 warps per tile; "...k2": batched with the k range split over clusters of 2 CTAs
 TILED_KERNELS = {"auto": 0, "range": 1, "batch": 2, "batch1": 3, "batch2": 4, "batch4": 5}
 TILED_KERNELS.update({f"{name}k2": code + 8 for name, code in tuple(TILED_KERNELS.items()) if code >= 2})
+GEMM_MAX_ROWS = 65535 * 128  # the tiled GEMM's grid: at most 65535 CTA rows of 128 tokens
 
 try:
     _raw_stream = torch._C._cuda_getCurrentRawStream  # int handle of the current stream of a device index
@@ -223,15 +225,21 @@ def gemm_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
     x = gemm_k_order(x)  # a fresh contiguous copy: 16-byte aligned
     if bias is not None:
         bias = bias.contiguous()
+    if not 1 <= M <= GEMM_MAX_ROWS:
+        raise ValueError(f"gemm_out takes 1..{GEMM_MAX_ROWS} rows of x; got {M}")
+    # every tensor whose pointer is passed stays referenced until the launch: a temporary freed before it could be
+    # handed to the next allocation on the stream and overwritten first
+    packed, absmax, scale, cb = packed.contiguous(), absmax.contiguous(), scale.contiguous(), _cb(codebook, dev, k)
     with on_device(dev):
         lib = library.lib
         nbytes = lib.kbit_gemm_tiled_workspace(M, out_f, in_features)
         if nbytes < 0:
-            raise RuntimeError(f"kbit CUDA gemm: no workspace size for M={M}, {out_f} x {in_features}")
+            raise RuntimeError(f"kbit CUDA gemm: the library has no tiled GEMM for {dev} (M={M}, {out_f} x "
+                               f"{in_features})")
         ws = torch.empty(nbytes, dtype=torch.uint8, device=dev) if nbytes else None
-        rc = lib.kbit_gemm_tiled(x.data_ptr(), DTYPE_CODE[x.dtype], M, packed.contiguous().data_ptr(),
-                                 absmax.contiguous().data_ptr(), scale.data_ptr(), _cb(codebook, dev, k).data_ptr(), k,
-                                 out_f, in_features, 0 if bias is None else bias.data_ptr(), out.data_ptr(),
+        rc = lib.kbit_gemm_tiled(x.data_ptr(), DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
+                                 scale.data_ptr(), cb.data_ptr(), k, out_f, in_features,
+                                 0 if bias is None else bias.data_ptr(), out.data_ptr(),
                                  0 if ws is None else ws.data_ptr(), nbytes, stream_of(dev))
     check(rc, "gemm")
     return out
@@ -241,7 +249,8 @@ _KSET = frozenset(fmt.SUPPORTED_K)
 
 
 def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
-    """y = x @ W^T + bias on CUDA: the fused GEMV where dispatch.linear_uses_gemv, else dequantize + cuBLAS."""
+    """y = x @ W^T + bias on CUDA: the fused GEMV where dispatch.linear_uses_gemv, the tiled GEMM where
+    dispatch.linear_uses_gemm, else dequantize + cuBLAS."""
     # Lean eager fast path: this is the per-token decode call, and each Python operation here is host time per layer
     # and token, so the common case (a contiguous x on a single GPU) takes the fewest.
     if library.lib is not None and x.is_cuda and k in _KSET and packed.dim() == 2:
@@ -310,11 +319,12 @@ def expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features
         ids = expert_ids.to(device=x.device, dtype=torch.int64).contiguous()
         y = torch.empty((N, out_f), dtype=x.dtype, device=x.device)
         dev = x.device
+        # referenced until the launch (see gemm_out)
+        packed, absmax, scale, cb = packed.contiguous(), absmax.contiguous(), scale.contiguous(), _cb(codebook, dev, k)
         with on_device(dev):
             rc = library.lib.kbit_expert_gemv(x.data_ptr(), DTYPE_CODE[x.dtype], N, ids.data_ptr(), E,
-                                              packed.contiguous().data_ptr(), absmax.contiguous().data_ptr(),
-                                              _absmax_fp16(absmax), scale.contiguous().data_ptr(),
-                                              _cb(codebook, dev, k).data_ptr(), k, out_f, in_features, y.data_ptr(),
+                                              packed.data_ptr(), absmax.data_ptr(), _absmax_fp16(absmax),
+                                              scale.data_ptr(), cb.data_ptr(), k, out_f, in_features, y.data_ptr(),
                                               stream_of(dev))
         check(rc, "expert gemv")
         return y
