@@ -1867,6 +1867,7 @@ bool gemm_tiled_available(int dev) {
                     major == 9 && minor == 0 &&
                     cudaMemcpyFromSymbol(&wgmma, gemm_image_has_wgmma, sizeof wgmma) == cudaSuccess && wgmma == 1 &&
                     encode_tiled() != nullptr;
+    if (!ok) (void)cudaGetLastError();  // a failed query must not surface as a later launch's error
     known[dev] = ok ? 1 : 2;
   }
   return known[dev] == 1;
