@@ -464,6 +464,15 @@ def _run_layer(layer, hs, args, kwargs):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _feed_hooks(layer, inputs, calls) -> None:
+    """Run `layer` on every captured input for the forward hooks it carries (a hook may stop a run with _Stop)."""
+    for hs, (a, kw) in zip(inputs, calls):
+        try:
+            _run_layer(layer, hs, a, kw)
+        except _Stop:
+            pass
+
+
 def _mark_loaded(module: nn.Module) -> None:
     # the quantizer's load checks take a parameter without this flag for one the checkpoint failed to provide
     for p in module.parameters(recurse=False):
@@ -759,11 +768,7 @@ def _collect_linear(layer, groups: list[_Group], inputs, calls, stop: bool) -> d
                 raise _Stop
         handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
     try:
-        for hs, (a, kw) in zip(inputs, calls):
-            try:
-                _run_layer(layer, hs, a, kw)
-            except _Stop:
-                pass
+        _feed_hooks(layer, inputs, calls)
     finally:
         for h in handles:
             h.remove()
@@ -832,11 +837,7 @@ def _quantize_experts(layer, name: str, inputs, calls, codebook, config, report,
 
         handle = orig.register_forward_pre_hook(pre, with_kwargs=True)
         try:
-            for hs, (a, kw) in zip(inputs, calls):
-                try:
-                    _run_layer(layer, hs, a, kw)
-                except _Stop:
-                    pass
+            _feed_hooks(layer, inputs, calls)
         finally:
             handle.remove()
         packed, codes, scl = [], [], []

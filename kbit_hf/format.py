@@ -294,3 +294,19 @@ __all__ = [
     "empty_quantized",
     "check_finite",
 ]
+
+
+def check_weight_to_quantize(weight, codebook, k: int, absmax_format: str) -> None:
+    """What every quantize implementation requires of its arguments: a non-empty floating-point matrix [..., out, in]
+    of finite values within float32's range, a codebook of 2^k entries, a known block-scale format."""
+    if weight.dim() < 2 or 0 in weight.shape:
+        raise ValueError(f"kbit quantizes matrices [..., out, in] with at least one element; got a tensor of shape "
+                         f"{tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise ValueError(f"kbit quantizes floating-point weights; got {weight.dtype}")
+    check_k(k)
+    check_codebook_size(codebook, k)
+    check_absmax_format(absmax_format)
+    check_finite(weight)
+    if weight.dtype == torch.float64 and bool(weight.abs().amax() > torch.finfo(torch.float32).max):
+        raise ValueError("weight has values beyond float32's range (|w| > 3.4e38); kbit computes in float32")

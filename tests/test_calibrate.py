@@ -13,21 +13,10 @@ from transformers import AutoModelForCausalLM
 from kbit_hf import KbitConfig, KbitLinear, KbitMoE, calibrate
 from kbit_hf import format as fmt
 from kbit_hf.backends import reference
-from tiny_models import MOE_FAMILIES, VOCAB, tiny_model
+from tiny_models import MOE_FAMILIES, VOCAB, byte_tokenizer as _byte_tokenizer, tiny_model
 
 N_TOKENS, SEQ_LEN = 512, 64
 
-
-def _byte_tokenizer():
-    """A byte-level tokenizer with 256 ids (no merges), small enough for the tiny models' 320-entry vocabulary."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
 def _ids(n=4096, seed=0):

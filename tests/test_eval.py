@@ -9,21 +9,10 @@ import torch
 
 from kbit_hf import KbitConfig, KbitLinear, calibrate
 from kbit_hf import eval as kev
-from tiny_models import tiny_model
+from tiny_models import byte_tokenizer as _byte_tokenizer, tiny_model
 
 SEQ_LEN = 64
 
-
-def _byte_tokenizer():
-    """A byte-level tokenizer with 256 ids (no merges), small enough for the tiny models' 320-entry vocabulary."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
 @pytest.fixture(scope="module")

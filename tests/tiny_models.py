@@ -61,3 +61,15 @@ def rewritten_copy(folder, tmp_path, name, edit):
     save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
     (d / "config.json").write_text(open(os.path.join(folder, "config.json")).read())
     return d
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer with 256 ids (no merges), small enough for the tiny models' 320-entry vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)

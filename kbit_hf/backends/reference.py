@@ -35,17 +35,7 @@ def quantize(
     weight: torch.Tensor, codebook: torch.Tensor, k: int, absmax_format: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [..., out, in] (any float dtype) -> (packed uint32, absmax uint8|fp16, scale float32 [...])."""
-    if weight.dim() < 2 or 0 in weight.shape:
-        raise ValueError(f"kbit quantizes matrices [..., out, in] with at least one element; got a tensor of shape "
-                         f"{tuple(weight.shape)}")
-    if not weight.is_floating_point():
-        raise ValueError(f"kbit quantizes floating-point weights; got {weight.dtype}")
-    fmt.check_k(k)
-    fmt.check_codebook_size(codebook, k)
-    fmt.check_absmax_format(absmax_format)
-    fmt.check_finite(weight)
-    if weight.dtype == torch.float64 and bool(weight.abs().amax() > torch.finfo(torch.float32).max):
-        raise ValueError("weight has values beyond float32's range (|w| > 3.4e38); kbit computes in float32")
+    fmt.check_weight_to_quantize(weight, codebook, k, absmax_format)
     *lead, out, inp = weight.shape
     shapes = fmt.packed_shapes(tuple(weight.shape), k)
     w3 = weight.reshape(-1, out, inp)

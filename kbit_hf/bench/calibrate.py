@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from .generate import _free, _mem, _reset_peak, ensure_checkpoint
+from .generate import _free, _mem, _reset_peak, add_model_arguments, ensure_checkpoint
 
 
 def run(args) -> int:
@@ -48,12 +48,7 @@ def run(args) -> int:
 
 
 def add_arguments(p) -> None:
-    import os
-
-    p.add_argument("--model", default="llama-3-8b", help="named shape with random weights (as generate's)")
-    p.add_argument("--layers", type=int, default=None, help="cut the named shape to this many decoder layers")
-    p.add_argument("--checkpoint", default=None, help="a local float checkpoint folder instead of a named shape")
-    p.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "kbit_hf", "bench"))
+    add_model_arguments(p)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--tokens", type=int, default=8192, help="calibration tokens (kbit_hf.calibrate's default)")
     p.add_argument("--seq-len", type=int, default=512)

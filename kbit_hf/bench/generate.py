@@ -483,12 +483,17 @@ def _write_json(report, path):
         json.dump(slim, f, indent=1)
 
 
-def add_arguments(p) -> None:
+def add_model_arguments(p) -> None:
+    """--model / --layers / --checkpoint / --workdir: the model every kbit-bench command loads."""
     p.add_argument("--model", default="llama-3-8b", help=f"named shape with random weights: {', '.join(SHAPES)}")
     p.add_argument("--layers", type=int, default=None, help="cut the named shape to this many decoder layers")
     p.add_argument("--checkpoint", default=None, help="a local checkpoint folder instead of a named shape")
     p.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "kbit_hf", "bench"),
                    help="where random-weight checkpoints are written")
+
+
+def add_arguments(p) -> None:
+    add_model_arguments(p)
     p.add_argument("--methods", default="bf16,kbit4,kbit2,bnb-nf4,torchao-int4", help=METHOD_HELP)
     p.add_argument("--modes", default="eager,static", help="eager and/or static (static cache, compiled decode)")
     p.add_argument("--batch", default="1,8,32", help="comma-separated batch sizes")

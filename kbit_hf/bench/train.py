@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from .generate import _free, _mem, _reset_peak, _sync, ensure_checkpoint, parse_methods
+from .generate import _free, _mem, _reset_peak, _sync, add_model_arguments, ensure_checkpoint, parse_methods
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -106,12 +106,7 @@ def run(args) -> int:
 
 
 def add_arguments(p) -> None:
-    import os
-
-    p.add_argument("--model", default="llama-3-8b", help="named shape with random weights (as generate's)")
-    p.add_argument("--layers", type=int, default=None, help="cut the named shape to this many decoder layers")
-    p.add_argument("--checkpoint", default=None, help="a local checkpoint folder instead of a named shape")
-    p.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "kbit_hf", "bench"))
+    add_model_arguments(p)
     p.add_argument("--methods", default="bf16,kbit4,bnb-nf4")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=512)

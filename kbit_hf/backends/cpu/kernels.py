@@ -47,17 +47,7 @@ def _check_planes(packed, absmax, scale, k, in_features, *others) -> None:
 
 def quantize(weight, codebook, k, absmax_format):
     """weight [..., out, in] -> (packed, absmax, scale), byte for byte reference.quantize."""
-    if weight.dim() < 2 or 0 in weight.shape:
-        raise ValueError(f"kbit quantizes matrices [..., out, in] with at least one element; got a tensor of shape "
-                         f"{tuple(weight.shape)}")
-    if not weight.is_floating_point():
-        raise ValueError(f"kbit quantizes floating-point weights; got {weight.dtype}")
-    fmt.check_k(k)
-    fmt.check_codebook_size(codebook, k)
-    fmt.check_absmax_format(absmax_format)
-    fmt.check_finite(weight)
-    if weight.dtype == torch.float64 and bool(weight.abs().amax() > torch.finfo(torch.float32).max):
-        raise ValueError("weight has values beyond float32's range (|w| > 3.4e38); kbit computes in float32")
+    fmt.check_weight_to_quantize(weight, codebook, k, absmax_format)
     if not weight.is_cpu:
         raise ValueError(f"kbit CPU kernels: every tensor must be on the CPU; got one on {weight.device}")
     if weight.dtype not in DTYPE_CODE:
