@@ -222,11 +222,11 @@ def gemm_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
             or not out.is_contiguous():
         raise ValueError(f"gemm_out: x must be [M, {in_features}] and out a contiguous [M, {out_f}] of x's dtype; "
                          f"got x {tuple(x.shape)}, out {out.dtype} {tuple(out.shape)}")
+    if not 1 <= M <= GEMM_MAX_ROWS:
+        raise ValueError(f"gemm_out takes 1..{GEMM_MAX_ROWS} rows of x; got {M}")
     x = gemm_k_order(x)  # a fresh contiguous copy: 16-byte aligned
     if bias is not None:
         bias = bias.contiguous()
-    if not 1 <= M <= GEMM_MAX_ROWS:
-        raise ValueError(f"gemm_out takes 1..{GEMM_MAX_ROWS} rows of x; got {M}")
     # every tensor whose pointer is passed stays referenced until the launch: a temporary freed before it could be
     # handed to the next allocation on the stream and overwritten first
     packed, absmax, scale, cb = packed.contiguous(), absmax.contiguous(), scale.contiguous(), _cb(codebook, dev, k)
