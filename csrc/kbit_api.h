@@ -35,10 +35,21 @@ KBIT_API int kbit_gemv(const void* x, int x_dtype, int64_t M, const uint32_t* pa
                        int absmax_fp16, const float* scale, const float* codebook, int k, int64_t out, int64_t in,
                        const void* bias, void* y, void* stream);
 
-/* grouped GEMV for experts: y[n, o] = x[n] @ W[ids[n]]^T, rows with ids outside [0, E) are zero. ids int64 [N]. */
+/* GEMV for experts: y[n, o] = x[n] @ W[ids[n]]^T, rows with ids outside [0, E) are zero. ids int64 [N]. The library
+ * picks a per-row kernel or a grouped one (rows sorted by expert on the device, each expert tile read once per up to
+ * 64 of its rows), which needs a workspace of kbit_expert_gemv_workspace(N, E) bytes (-1: bad sizes). */
+KBIT_API int64_t kbit_expert_gemv_workspace(int64_t N, int64_t E);
 KBIT_API int kbit_expert_gemv(const void* x, int x_dtype, int64_t N, const int64_t* ids, int64_t E,
                               const uint32_t* packed, const void* absmax, int absmax_fp16, const float* scale,
-                              const float* codebook, int k, int64_t out, int64_t in, void* y, void* stream);
+                              const float* codebook, int k, int64_t out, int64_t in, void* y, void* workspace,
+                              int64_t workspace_bytes, void* stream);
+/* kbit_expert_gemv with the kernel forced, for tests and benchmarks: KBIT_EXPERT_AUTO (the library's choice), PER_ROW,
+ * GROUPED (up to EXPERT_GROUPED_MAX_E = 8192 experts). */
+enum { KBIT_EXPERT_AUTO = 0, KBIT_EXPERT_PER_ROW = 1, KBIT_EXPERT_GROUPED = 2 };
+KBIT_API int kbit_expert_gemv_kernel(const void* x, int x_dtype, int64_t N, const int64_t* ids, int64_t E,
+                                     const uint32_t* packed, const void* absmax, int absmax_fp16, const float* scale,
+                                     const float* codebook, int k, int64_t out, int64_t in, void* y, void* workspace,
+                                     int64_t workspace_bytes, int kernel, void* stream);
 
 /* The tiled layout of large K = 2..5 Linear weights (kbit_hf/backends/cuda/tiled.py, docs/design.md; out % 16 == 0,
  * in % 256 == 0, e4m4 block scales): wt uint8 [out, in * k / 8], at uint8 [out, in / 32], a permutation of packed

@@ -53,12 +53,25 @@ inline int gemv_warps(bool fold, int64_t ctas, int64_t nb, int sms) {
 struct GemvTokenCta {
   int rw, kw;
 };
-inline GemvTokenCta gemv_token_cta(int64_t out, int NT, int sms) {
+// `busy`: CTA rows with work (grouped experts: about one per work item; else 1).
+inline GemvTokenCta gemv_token_cta(int64_t out, int NT, int64_t busy, int sms) {
   GemvTokenCta c = {out >= 8192 ? 4 : 2, 1};
   while (c.kw * 2 * NT <= GEMV_MAX_KW_NT && c.rw * c.kw * 2 <= GEMV_MAX_WARPS &&
-         ((out + GEMV_TILE_ROWS * c.rw - 1) / (GEMV_TILE_ROWS * c.rw)) * c.rw * c.kw < 6 * (int64_t)sms)
+         ((out + GEMV_TILE_ROWS * c.rw - 1) / (GEMV_TILE_ROWS * c.rw)) * busy * c.rw * c.kw < 6 * (int64_t)sms)
     c.kw *= 2;
   return c;
+}
+// ---- expert GEMV (kbit_gemv.cu, kbit_expert_gemv): per-row or grouped ----
+// Per-row: one CTA row per input row, reading its expert's tile (an expert chosen by several rows is read once per
+// row). Grouped: a counting sort of the rows by expert (one CTA), then CTA rows of up to expert_item_rows rows of one
+// expert, each expert tile read once per item. Grouped from EXPERT_PER_ROW_MAX_N + 1 rows.
+constexpr int64_t EXPERT_PER_ROW_MAX_N = 8;
+constexpr int64_t EXPERT_GROUPED_MAX_E = 8192;  // the sort's bucket counts live in shared memory
+inline bool expert_grouped(int64_t N, int64_t E) { return N > EXPERT_PER_ROW_MAX_N && E <= EXPERT_GROUPED_MAX_E; }
+// Rows per grouped work item: the token tiles (8 rows each) that hold the mean rows per expert present.
+inline int64_t expert_item_rows(int64_t N, int64_t E) {
+  const int64_t present = N < E ? N : E, mean = (N + present - 1) / present;
+  return 8 * (int64_t)token_tiles(mean);
 }
 
 // ---- tiled GEMV (kbit_tiled.cu) ----

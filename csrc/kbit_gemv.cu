@@ -400,12 +400,14 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 // stage the activations of tokens < M, columns 256 st .. 256 st + 255 (all inside the row, x 16-byte aligned)
+// (srow: the tokens' rows of x in grouped expert mode, else token t is row t)
 template <typename T, int NT>
 __device__ __forceinline__ void stage_x(unsigned char* xsm, const T* __restrict__ x, int64_t in, int M, int st,
-                                        int gl, int gn) {
+                                        int gl, int gn, const int* srow) {
   for (int i = gl; i < 32 * M; i += gn) {
     const int t = i >> 5, c = i & 31;
-    cp_async16(xsm + t * XS_TOKEN + xs_chunk(c) * 16, x + t * in + (int64_t)st * (STEP * BLOCK) + 8 * c);
+    const int64_t r = srow ? srow[t] : t;
+    cp_async16(xsm + t * XS_TOKEN + xs_chunk(c) * 16, x + r * in + (int64_t)st * (STEP * BLOCK) + 8 * c);
   }
 }
 
@@ -413,10 +415,11 @@ __device__ __forceinline__ void stage_x(unsigned char* xsm, const T* __restrict_
 // feeds NT MMAs, one per tile of 8 tokens: through the pair table (MODE 0, and the second owned block in MODE 2;
 // natural pair order) or group by group in registers (MODE 1, the first block in MODE 2; pairs (e, e + 4), so the
 // activations are paired by PRMT per token tile, as in compute_step). Lane (g, q) reads the 16 activations of tokens
-// g, g + 8, ... from the staged step xsm (main loop) or loads them (CHECK: xr = row of token g, rows in apart; tokens
-// >= M: zeros).
+// g, g + 8, ... from the staged step xsm (main loop) or loads them (CHECK: xr = row 0 of x; tokens
+// >= M: zeros; srow as in stage_x).
 template <int K, typename T, bool CHECK, int NT, int MODE>
-__device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restrict__ xr, const unsigned char* xsm,
+__device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restrict__ xr, const int* srow,
+                                                const unsigned char* xsm,
                                                 int M, int g, int fp16, int b0, int q, int nb, int in,
                                                 uint32_t c4, const char* tb, const uint32_t (&tl)[4],
                                                 const uint32_t (&th)[4], float (&acc)[NT][4]) {
@@ -435,7 +438,9 @@ __device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restric
       // the 16 activations of half h of token tile nt: xw[i] = elements (16h + 2i, 16h + 2i + 1)
       auto half_x = [&](int nt, uint32_t(&xw)[8]) {
         if constexpr (CHECK) {
-          load_x<T, true>(xr + (int64_t)8 * nt * in, 8 * nt + g < M && blk < nb, blk * BLOCK + 16 * h, in, xw);
+          const int t = 8 * nt + g;
+          const int64_t r = t < M ? (srow ? srow[t] : t) : 0;
+          load_x<T, true>(xr + r * in, t < M && blk < nb, blk * BLOCK + 16 * h, in, xw);
         } else {  // the step's activations in shared memory (see stage_x): two conflict-free 16-byte reads
           const unsigned char* t = xsm + (8 * nt + g) * XS_TOKEN;
           const int c = 4 * (q + 4 * ob) + 2 * h;
@@ -488,7 +493,103 @@ __device__ __forceinline__ void compute_step_nt(const Buf& b, const T* __restric
   }
 }
 
-// x rows: x + m * in (m < M). ids != nullptr: expert mode (M == 1), token n = blockIdx.y, expert ids[n].
+// Which expert weight and rows a CTA works on. Dense: none (E = 1). Per-row (ids): row blockIdx.y of x and y with
+// expert ids[blockIdx.y], M == 1. Grouped (order): the rows sorted by expert (expert_route_kernel); blockIdx.y is a
+// work item of at most M (the launch's) rows of one expert (find_item).
+struct ExpertRows {
+  const int64_t* ids;
+  const int* order;    // [N] rows, bucket by bucket
+  const int* offsets;  // [E + 2]: bucket b holds order[offsets[b] .. offsets[b + 1]); bucket E: ids outside [0, E)
+  int64_t E;
+};
+
+__device__ __forceinline__ int expert_bucket(int64_t id, int E) { return id >= 0 && id < E ? (int)id : E; }
+
+// Counting sort of N rows by expert, for the grouped mode: one CTA of 1024 threads, the bucket counts in shared memory
+// ([E + 1] ints). Inside a bucket the rows come in no particular order: a row's result does not depend on the rows
+// that share its CTA (MMA columns are independent; the k-split sums run in a fixed order).
+__global__ void __launch_bounds__(1024) expert_route_kernel(const int64_t* __restrict__ ids, int N, int E,
+                                                            int* __restrict__ order, int* __restrict__ offsets) {
+  extern __shared__ int cursor[];
+  __shared__ int wsum[32];
+  __shared__ int carry;
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
+  for (int b = tid; b <= E; b += nt) cursor[b] = 0;
+  if (tid == 0) carry = 0;
+  __syncthreads();
+  for (int i = tid; i < N; i += nt) atomicAdd(&cursor[expert_bucket(ids[i], E)], 1);
+  __syncthreads();
+  // exclusive scan of the counts, nt buckets at a time: the cursors start at the offsets
+  for (int b0 = 0; b0 <= E; b0 += nt) {
+    const int b = b0 + tid;
+    const int v = b <= E ? cursor[b] : 0;
+    int s = v;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int t = __shfl_up_sync(0xFFFFFFFFu, s, d);
+      if (lane >= d) s += t;
+    }
+    if (lane == 31) wsum[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+      int t = lane < (nt >> 5) ? wsum[lane] : 0;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int u = __shfl_up_sync(0xFFFFFFFFu, t, d);
+        if (lane >= d) t += u;
+      }
+      wsum[lane] = t;
+    }
+    __syncthreads();
+    const int excl = carry + (warp ? wsum[warp - 1] : 0) + s - v;
+    if (b <= E) {
+      cursor[b] = excl;
+      offsets[b] = excl;
+    }
+    __syncthreads();
+    if (tid == nt - 1) carry = excl + v;
+    __syncthreads();
+  }
+  if (tid == 0) offsets[E + 1] = N;
+  for (int i = tid; i < N; i += nt) order[atomicAdd(&cursor[expert_bucket(ids[i], E)], 1)] = i;
+}
+
+// Grouped mode, one warp: work item w -> (bucket, first sorted row, rows) in item[0..2]. Each bucket's rows are cut
+// into chunks of at most mt, numbered bucket by bucket; item[2] = 0 past the last one.
+__device__ __forceinline__ void find_item(const int* __restrict__ offsets, int buckets, int mt, int w, int lane,
+                                          int* item) {
+  int base = 0;
+  for (int b0 = 0; b0 < buckets; b0 += 32) {
+    const int b = b0 + lane;
+    int off = 0, n = 0;
+    if (b < buckets) {
+      off = offsets[b];
+      n = offsets[b + 1] - off;
+    }
+    const int c = (n + mt - 1) / mt;
+    int s = c;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int t = __shfl_up_sync(0xFFFFFFFFu, s, d);
+      if (lane >= d) s += t;
+    }
+    const int first = base + s - c;
+    const unsigned hit = __ballot_sync(0xFFFFFFFFu, c > 0 && w >= first && w < first + c);
+    if (hit) {
+      if (lane == __ffs(hit) - 1) {
+        const int ch = w - first;
+        item[0] = b;
+        item[1] = off + ch * mt;
+        item[2] = min(mt, n - ch * mt);
+      }
+      return;
+    }
+    base += __shfl_sync(0xFFFFFFFFu, s, 31);
+  }
+  if (lane == 0) item[2] = 0;
+}
+
+// x rows: x + m * in (m < M), y rows y + m * out; expert modes: ExpertRows.
 // NREG: register cap (gemv_max_regs; 128 = 2 CTAs of 8 warps or 4 of 4 warps per SM)
 // NT: token tiles of 8 (M <= 8 * NT). The CTA is blockDim.y row groups (16 rows each: tile
 // blockIdx.x * blockDim.y + threadIdx.y) x blockDim.x / 32 warps splitting the input dimension. With NT > 1 the row
@@ -504,7 +605,7 @@ template <int K, typename T, int MODE, int NREG, int NT, bool FOLD = false>
 __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     const T* __restrict__ x, int M, const uint32_t* __restrict__ packed, const void* __restrict__ absmax, int fp16,
     const float* __restrict__ scale, const float* __restrict__ codebook, const T* __restrict__ bias,
-    T* __restrict__ y, int64_t out, int in, int nb, const int64_t* __restrict__ ids, int64_t E, int vec) {
+    T* __restrict__ y, int64_t out, int in, int nb, ExpertRows er, int vec) {
   using C = Cfg<K>;
   // pair table (modes 0, 2) and the cross-warp reduction; with NT > 1 the reduction reuses the table's space
   constexpr int TBL_WORDS = MODE == 1 ? 4 : C::WORDS;
@@ -525,16 +626,33 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
   int64_t e = 0;
   const T* xr = x;
   T* yr = y;
-  if (ids != nullptr) {
+  const int* srow = nullptr;  // grouped mode: token t of this CTA is row srow[t] of x and y
+  __shared__ int srows[8 * NT];
+  if (er.ids != nullptr) {
     const int64_t n = blockIdx.y;
-    const int64_t id = ids[n];
+    const int64_t id = er.ids[n];
     yr = y + n * out;
-    if (id < 0 || id >= E) {  // whole CTA: zero rows
+    if (id < 0 || id >= er.E) {  // whole CTA: zero rows
       if (threadIdx.x < TR && o0 + threadIdx.x < out) yr[o0 + threadIdx.x] = Cvt<T>::from_f(0.f);
       return;
     }
     e = id;
     xr = x + n * (int64_t)in;
+  } else if (er.order != nullptr) {
+    __shared__ int item[3];
+    if (tid < 32) find_item(er.offsets, (int)er.E + 1, M, (int)blockIdx.y, tid, item);
+    __syncthreads();
+    M = item[2];
+    if (M <= 0) return;  // past the last work item
+    for (int t = tid; t < M; t += nthreads) srows[t] = er.order[item[1] + t];
+    __syncthreads();
+    srow = srows;
+    if (item[0] == er.E) {  // ids outside [0, E): zero rows
+      for (int i = threadIdx.x; i < M * TR; i += blockDim.x)
+        if (o0 + i % TR < out) y[(int64_t)srow[i / TR] * out + o0 + i % TR] = Cvt<T>::from_f(0.f);
+      return;
+    }
+    e = item[0];
   }
   const int g = lane >> 2, q = lane & 3;
   const uint32_t c4 = (uint32_t)(lane & (C::R - 1)) * 4u;
@@ -555,7 +673,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
   // B column g: token g (FOLD: token g % 4, of the step's blocks 8 * (g / 4) ..)
   const int tok = FOLD ? (g & 3) : g, xb = FOLD ? (g >> 2) * STEP : 0;
   const bool xon = tok < M;
-  const T* xg = xr + (int64_t)(xon ? tok : 0) * in;
+  const T* xg = xr + (int64_t)(xon ? (srow ? srow[tok] : tok) : 0) * in;
 
   // full steps: SB blocks whose 32 columns all lie inside the row (x 16-byte aligned); the first step's loads are
   // issued before the pair table is built
@@ -588,7 +706,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
       const int s = i / nz, r = i % nz;
       *reinterpret_cast<uint4*>(xs0 + s * XS_STAGE + M * XS_TOKEN + r * 16) = make_uint4(0u, 0u, 0u, 0u);
     }
-    if (st < nfs) stage_x<T, NT>(xs0, xr, in, M, st, gl, gn);
+    if (st < nfs) stage_x<T, NT>(xs0, xr, in, M, st, gl, gn, srow);
     cp_async_commit();
   }
   uint32_t tl[4] = {0u, 0u, 0u, 0u}, th[4] = {0u, 0u, 0u, 0u};
@@ -640,11 +758,11 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
       } else {
         // stage the next step's activations into the other buffer (its readers passed the barrier at the end of the
         // previous step), wait for this step's, compute, and let the split's warps finish reading before the restage
-        if (st + W < nfs) stage_x<T, NT>(xs0 + ((it + 1) & 1) * XS_STAGE, xr, in, M, st + W, gl, gn);
+        if (st + W < nfs) stage_x<T, NT>(xs0 + ((it + 1) & 1) * XS_STAGE, xr, in, M, st + W, gl, gn, srow);
         cp_async_commit();
         cp_async_wait<1>();
         bar_group(1 + warp, gn);  // the n threads of one k split (ids 1..8)
-        compute_step_nt<K, T, false, NT, MODE>(cur, xg, xs0 + (it & 1) * XS_STAGE, M, g, fp16, st * STEP, q, nb,
+        compute_step_nt<K, T, false, NT, MODE>(cur, xr, srow, xs0 + (it & 1) * XS_STAGE, M, g, fp16, st * STEP, q, nb,
                                                in, c4, tb, tl, th, acc);
         bar_group(1 + warp, gn);
       }
@@ -658,7 +776,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     if constexpr (NT == 1)
       compute_step<K, T, true, MODE>(tb2, xg, xg, xon, fp16, s2 * SB + xb, q, nb, in, c4, tb, tl, th, acc[0]);
     else
-      compute_step_nt<K, T, true, NT, MODE>(tb2, xg, nullptr, M, g, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th,
+      compute_step_nt<K, T, true, NT, MODE>(tb2, xr, srow, nullptr, M, g, fp16, s2 * STEP, q, nb, in, c4, tb, tl, th,
                                             acc);
   }
 
@@ -695,23 +813,24 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
       if ((!FOLD || q < 2) && m < M && o < out) {
         float v = acc[nt][i] * sc;
         if (bias != nullptr) v += Cvt<T>::to_f(bias[o]);
-        yr[(int64_t)m * out + o] = Cvt<T>::from_f(v);
+        yr[(int64_t)(srow ? srow[m] : m) * out + o] = Cvt<T>::from_f(v);
       }
     }
 }
 
-// M = 9..64: NT token tiles in CTAs of RW row groups x KW k-split warps (gemv_token_cta), in the decode mode and
-// register cap of gemv_decode_mode and gemv_max_regs.
+// M = 9..64 (grouped mode: items of at most 8 NT rows): NT token tiles in CTAs of RW row groups x KW k-split warps
+// (gemv_token_cta, for `items` CTA rows of which about `busy` have work), in the decode mode and register cap of
+// gemv_decode_mode and gemv_max_regs.
 template <int K, typename T, int NT>
 int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absmax, int fp16, const float* scale,
               const float* cb, int64_t out, int64_t in, int64_t nb, int vec, const void* bias, void* y,
-              cudaStream_t st) {
+              int64_t items, int64_t busy, ExpertRows er, cudaStream_t st) {
   int dev = 0, sms = 0;
   if (!current_device_sms(dev, sms)) return (int)cudaErrorInvalidDevice;
-  const GemvTokenCta cta = gemv_token_cta(out, NT, sms);
+  const GemvTokenCta cta = gemv_token_cta(out, NT, busy, sms);
   const int RW = cta.rw, KW = cta.kw;
   const int64_t tiles = (out + TILE * RW - 1) / (TILE * RW);
-  if (tiles > 0x7FFFFFFF) return (int)cudaErrorInvalidConfiguration;
+  if (tiles > 0x7FFFFFFF || items > 65535) return (int)cudaErrorInvalidConfiguration;
   auto kern = gemv_kernel<K, T, gemv_decode_mode(K, NT), gemv_max_regs(NT), NT>;
   // activation stages: 2 per k split, 33 KB per split at NT = 4; the opt-in limit (the largest, KW * NT =
   // GEMV_MAX_KW_NT) is set once per device
@@ -723,64 +842,94 @@ int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absm
     if (e != cudaSuccess) return (int)e;
     attr_set[dev] = true;
   }
-  kern<<<dim3((unsigned)tiles), dim3(KW * 32, RW), dyn, st>>>(
+  kern<<<dim3((unsigned)tiles, (unsigned)items), dim3(KW * 32, RW), dyn, st>>>(
       reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb, reinterpret_cast<const T*>(bias),
-      reinterpret_cast<T*>(y), out, (int)in, (int)nb, nullptr, 1, vec);
+      reinterpret_cast<T*>(y), out, (int)in, (int)nb, er, vec);
+  return (int)cudaGetLastError();
+}
+
+// M <= 8 rows (per-row expert mode: one row per CTA row, `items` = N; grouped: items of at most 8 rows), 16- or
+// folded 8-row tiles
+template <int K, typename T>
+int launch_m8(int64_t M, const void* x, const uint32_t* packed, const void* absmax, int fp16, const float* scale,
+              const float* cb, int64_t out, int64_t in, int64_t nb, int vec, const void* bias, void* y,
+              int64_t items, int64_t busy, ExpertRows er, cudaStream_t st) {
+  int dev = 0, sms = 0;
+  if (!current_device_sms(dev, sms)) return (int)cudaErrorInvalidDevice;
+  const bool fold = er.order == nullptr && gemv_fold(K, M, in, ((out + TILE - 1) / TILE) * busy, sms);
+  const int tr = fold ? 8 : TILE;
+  const int64_t tiles = (out + tr - 1) / tr;
+  if (items > 65535 || tiles > 0x7FFFFFFF) return (int)cudaErrorInvalidConfiguration;
+  const int W = gemv_warps(fold, tiles * busy, nb, sms);
+  constexpr int kMode = gemv_decode_mode(K, 1), kRegs = gemv_max_regs(1);
+  auto kern = fold ? gemv_kernel<K, T, kMode, kRegs, 1, true> : gemv_kernel<K, T, kMode, kRegs, 1>;
+  kern<<<dim3((unsigned)tiles, (unsigned)items), W * 32, 0, st>>>(
+      reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb, reinterpret_cast<const T*>(bias),
+      reinterpret_cast<T*>(y), out, (int)in, (int)nb, er, vec);
   return (int)cudaGetLastError();
 }
 
 template <int K, typename T>
+int launch_rows(int64_t M, const void* x, const uint32_t* packed, const void* absmax, int fp16, const float* scale,
+                const float* cb, int64_t out, int64_t in, int64_t nb, int vec, const void* bias, void* y,
+                int64_t items, int64_t busy, ExpertRows er, cudaStream_t st) {
+  switch (token_tiles(M)) {
+    case 8: return launch_nt<K, T, 8>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, items, busy, er, st);
+    case 4: return launch_nt<K, T, 4>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, items, busy, er, st);
+    case 2: return launch_nt<K, T, 2>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, items, busy, er, st);
+    default: return launch_m8<K, T>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, items, busy, er, st);
+  }
+}
+
+// dense (ids == nullptr, N == 1), per-row experts or grouped experts (work: order [N] and offsets [E + 2], int32)
+template <int K, typename T>
 int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, const uint32_t* packed,
            const void* absmax, int fp16, const float* scale, const float* cb, int64_t out, int64_t in,
-           const void* bias, void* y, cudaStream_t st) {
+           const void* bias, void* y, bool grouped, int* work, cudaStream_t st) {
   if (out == 0 || N == 0) return 0;
   if (M < 1 || M > GEMV_MAX_M || (ids != nullptr && M != 1)) return (int)cudaErrorInvalidValue;
   if (in > (int64_t)1 << 30) return (int)cudaErrorInvalidConfiguration;  // 32-bit in-row offsets in both kernels
   const int64_t nb = (in + 31) / 32;
   const int vec = (in % 8 == 0) && ((reinterpret_cast<uintptr_t>(x) & 15) == 0);
-  switch (token_tiles(M)) {
-    case 8: return launch_nt<K, T, 8>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
-    case 4: return launch_nt<K, T, 4>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
-    case 2: return launch_nt<K, T, 2>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, st);
-    default: break;
-  }
-  int dev = 0, sms = 0;
-  if (!current_device_sms(dev, sms)) return (int)cudaErrorInvalidDevice;
-  const int64_t rows = ids ? N : 1;  // grid.y
-  const bool fold = gemv_fold(K, M, in, ((out + TILE - 1) / TILE) * rows, sms);
-  const int tr = fold ? 8 : TILE;
-  const int64_t tiles = (out + tr - 1) / tr;
-  dim3 grid((unsigned)tiles, (unsigned)rows);
-  if (grid.y > 65535u || tiles > 0x7FFFFFFF) return (int)cudaErrorInvalidConfiguration;
-  const int W = gemv_warps(fold, tiles * (int64_t)grid.y, nb, sms);
-  constexpr int kMode = gemv_decode_mode(K, 1), kRegs = gemv_max_regs(1);
-  auto kern = fold ? gemv_kernel<K, T, kMode, kRegs, 1, true> : gemv_kernel<K, T, kMode, kRegs, 1>;
-  kern<<<grid, W * 32, 0, st>>>(reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb,
-                                reinterpret_cast<const T*>(bias), reinterpret_cast<T*>(y), out, (int)in, (int)nb, ids,
-                                E, vec);
-  return (int)cudaGetLastError();
+  if (ids == nullptr)
+    return launch_rows<K, T>(M, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, 1, 1,
+                             ExpertRows{nullptr, nullptr, nullptr, 1}, st);
+  if (!grouped)
+    return launch_rows<K, T>(1, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, N, N,
+                             ExpertRows{ids, nullptr, nullptr, E}, st);
+  if (N > 0x7FFFFFFF || E > EXPERT_GROUPED_MAX_E) return (int)cudaErrorInvalidValue;
+  int* order = work;
+  int* offsets = work + N;
+  expert_route_kernel<<<1, 1024, (size_t)(E + 1) * sizeof(int), st>>>(ids, (int)N, (int)E, order, offsets);
+  const int64_t mt = expert_item_rows(N, E);
+  // work items: each non-empty bucket's last chunk may be partial
+  const int64_t chunks = (N + mt - 1) / mt, items = chunks + (E + 1 < N ? E + 1 : N);
+  return launch_rows<K, T>(mt, x, packed, absmax, fp16, scale, cb, out, in, nb, vec, bias, y, items, chunks,
+                           ExpertRows{nullptr, order, offsets, E}, st);
 }
 
 template <typename T>
 int launch_k(int k, int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, const uint32_t* packed,
              const void* absmax, int fp16, const float* scale, const float* cb, int64_t out, int64_t in,
-             const void* bias, void* y, cudaStream_t st) {
+             const void* bias, void* y, bool grouped, int* work, cudaStream_t st) {
   switch (k) {
-    case 2: return launch<2, T>(M, x, N, ids, E, packed, absmax, fp16, scale, cb, out, in, bias, y, st);
-    case 3: return launch<3, T>(M, x, N, ids, E, packed, absmax, fp16, scale, cb, out, in, bias, y, st);
-    case 4: return launch<4, T>(M, x, N, ids, E, packed, absmax, fp16, scale, cb, out, in, bias, y, st);
-    case 5: return launch<5, T>(M, x, N, ids, E, packed, absmax, fp16, scale, cb, out, in, bias, y, st);
+    case 2: return launch<2, T>(M, x, N, ids, E, packed, absmax, fp16, scale, cb, out, in, bias, y, grouped, work, st);
+    case 3: return launch<3, T>(M, x, N, ids, E, packed, absmax, fp16, scale, cb, out, in, bias, y, grouped, work, st);
+    case 4: return launch<4, T>(M, x, N, ids, E, packed, absmax, fp16, scale, cb, out, in, bias, y, grouped, work, st);
+    case 5: return launch<5, T>(M, x, N, ids, E, packed, absmax, fp16, scale, cb, out, in, bias, y, grouped, work, st);
   }
   return (int)cudaErrorInvalidValue;
 }
 
 int dispatch(int x_dtype, int k, int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E,
              const uint32_t* packed, const void* absmax, int fp16, const float* scale, const float* cb, int64_t out,
-             int64_t in, const void* bias, void* y, void* stream) {
+             int64_t in, const void* bias, void* y, bool grouped, int* work, void* stream) {
   cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
   if (x_dtype == BF16)
-    return launch_k<__nv_bfloat16>(k, M, x, N, ids, E, packed, absmax, fp16, scale, cb, out, in, bias, y, st);
-  if (x_dtype == F16) return launch_k<__half>(k, M, x, N, ids, E, packed, absmax, fp16, scale, cb, out, in, bias, y, st);
+    return launch_k<__nv_bfloat16>(k, M, x, N, ids, E, packed, absmax, fp16, scale, cb, out, in, bias, y, grouped,
+                                   work, st);
+  if (x_dtype == F16)
+    return launch_k<__half>(k, M, x, N, ids, E, packed, absmax, fp16, scale, cb, out, in, bias, y, grouped, work, st);
   return (int)cudaErrorInvalidValue;
 }
 
@@ -792,15 +941,32 @@ int kbit_gemv(const void* x, int x_dtype, int64_t M, const uint32_t* packed, con
               const float* scale, const float* codebook, int k, int64_t out, int64_t in, const void* bias, void* y,
               void* stream) {
   return dispatch(x_dtype, k, M, x, 1, nullptr, 1, packed, absmax, absmax_fp16, scale, codebook, out, in, bias, y,
-                  stream);
+                  false, nullptr, stream);
+}
+
+int64_t kbit_expert_gemv_workspace(int64_t N, int64_t E) {
+  if (N < 0 || E < 1) return -1;
+  return (N + E + 2) * (int64_t)sizeof(int);
+}
+
+int kbit_expert_gemv_kernel(const void* x, int x_dtype, int64_t N, const int64_t* ids, int64_t E,
+                            const uint32_t* packed, const void* absmax, int absmax_fp16, const float* scale,
+                            const float* codebook, int k, int64_t out, int64_t in, void* y, void* workspace,
+                            int64_t workspace_bytes, int kernel, void* stream) {
+  if (ids == nullptr || E < 1) return (int)cudaErrorInvalidValue;
+  const bool grouped = kernel == KBIT_EXPERT_GROUPED || (kernel == KBIT_EXPERT_AUTO && expert_grouped(N, E));
+  if (kernel < KBIT_EXPERT_AUTO || kernel > KBIT_EXPERT_GROUPED) return (int)cudaErrorInvalidValue;
+  if (grouped && (workspace == nullptr || workspace_bytes < kbit_expert_gemv_workspace(N, E)))
+    return (int)cudaErrorInvalidValue;
+  return dispatch(x_dtype, k, 1, x, N, ids, E, packed, absmax, absmax_fp16, scale, codebook, out, in, nullptr, y,
+                  grouped, reinterpret_cast<int*>(workspace), stream);
 }
 
 int kbit_expert_gemv(const void* x, int x_dtype, int64_t N, const int64_t* ids, int64_t E, const uint32_t* packed,
                      const void* absmax, int absmax_fp16, const float* scale, const float* codebook, int k,
-                     int64_t out, int64_t in, void* y, void* stream) {
-  if (ids == nullptr) return (int)cudaErrorInvalidValue;
-  return dispatch(x_dtype, k, 1, x, N, ids, E, packed, absmax, absmax_fp16, scale, codebook, out, in, nullptr, y,
-                  stream);
+                     int64_t out, int64_t in, void* y, void* workspace, int64_t workspace_bytes, void* stream) {
+  return kbit_expert_gemv_kernel(x, x_dtype, N, ids, E, packed, absmax, absmax_fp16, scale, codebook, k, out, in, y,
+                                 workspace, workspace_bytes, KBIT_EXPERT_AUTO, stream);
 }
 
 }  // extern "C"

@@ -79,11 +79,7 @@ def test_static_cache_generate_compiles_into_cuda_graphs_and_matches_eager(famil
     """`cache_implementation="static"` auto-compiles the decode step (fullgraph: a graph break would raise) and
     replays it as CUDA graphs; tokens and logits match eager decoding.
 
-    qwen3_moe at batch 520 routes 1040 rows per layer: more than the eager expert GEMV takes, so eager runs
-    per-expert dequantize + cuBLAS while the captured graph runs the per-row kernel (no host sync). The two round
-    differently, and a router near-tie can then pick another expert, so there only the first steps are compared
-    tightly."""
-    from kbit_hf.backends.cuda.dispatch import EXPERT_GEMV_MAX_N
+    qwen3_moe at batch 520 routes 1040 rows per layer: the path for many rows per expert, captured as well."""
     from transformers import CompileConfig
     from torch._dynamo.utils import counters
 
@@ -103,24 +99,22 @@ def test_static_cache_generate_compiles_into_cuda_graphs_and_matches_eager(famil
     assert counters["stats"]["unique_graphs"] >= 1, "generate did not compile the decode step"
     assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     # Compare step by step up to each sequence's first differing token; a difference is allowed only where eager's
-    # top two logits were within tolerance (a near tie that rounding can flip). Where eager and the graph run
-    # different expert kernels, a router near-tie can also send a token to another expert: there up to 5% of the
-    # sequences may differ (with hundreds of sequences one such tie is expected), all others must match.
+    # top two logits were within tolerance (a near tie that rounding can flip). The compiled router rounds
+    # differently from eager, so with hundreds of sequences a router near-tie can also send one token to another
+    # expert: there up to 2% of the sequences may differ.
     tol = 0.05 * lg_e.abs().amax().item()
-    same_kernels = family == "llama" or batch * model.config.num_experts_per_tok <= EXPERT_GEMV_MAX_N
-    tight = n if same_kernels else 4
     bad = []
     for b in range(batch):
         diff = (tok_e[b] != tok_c[b]).nonzero()
-        stop = min(int(diff[0]) if len(diff) else n, tight)
+        stop = int(diff[0]) if len(diff) else n
         close = torch.allclose(lg_c[b, :stop], lg_e[b, :stop], rtol=0.05, atol=tol)
-        if close and stop < tight:
+        if close and stop < n:
             top2 = lg_e[b, stop].topk(2).values
             close = (top2[0] - lg_e[b, stop, tok_c[b, stop]]).item() <= tol
         if not close:
             bad.append(b)
-    assert len(bad) <= (0 if same_kernels else 0.05 * batch), f"sequences differing beyond tolerance: {bad[:20]}"
-    assert (tok_e == tok_c).float().mean() > (0.95 if same_kernels else 0.8)
+    assert len(bad) <= 0.02 * batch, f"sequences differing beyond tolerance: {bad[:20]}"
+    assert (tok_e == tok_c).float().mean() > 0.95
 
 
 def test_loads_onto_the_gpu_check_the_kbit_values(tmp_path):

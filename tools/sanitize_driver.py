@@ -67,17 +67,21 @@ def bit_planes(calls: Counter, ks) -> None:
                     kernels.linear(x, p, a, s, cb, k, shape[-1], bias)
                     calls["gemv" if M <= dispatch.GEMV_MAX_M else "dequantize + cuBLAS"] += 1
                 continue
-            for xdt in X_DTYPES:
+            for xdt, kernel in itertools.product(X_DTYPES, ("per_row", "grouped")):
                 x = torch.randn(5, shape[-1], device="cuda", dtype=xdt)
                 ids = torch.tensor([0, 1, -1, 2, 1], device="cuda")  # -1: an expert-parallel sentinel
-                kernels.expert_linear(x, ids, p, a, s, cb, k, shape[-1])
-                calls["expert gemv"] += 1
-            if af == "e4m4":  # more rows than the per-row kernel takes: one linear per expert present
-                n = dispatch.EXPERT_GEMV_MAX_N + 3
+                kernels.expert_linear(x, ids, p, a, s, cb, k, shape[-1], kernel=kernel)
+                calls[f"expert gemv, {kernel}"] += 1
+            for n in (70, 600):  # grouped work items of 16 .. 64 rows
                 x = torch.randn(n, shape[-1], device="cuda", dtype=torch.bfloat16)
                 ids = torch.randint(-1, shape[0] + 1, (n,), device="cuda")
+                kernels.expert_linear(x, ids, p, a, s, cb, k, shape[-1], kernel="grouped")
+                calls["expert gemv, grouped"] += 1
+            if af == "e4m4":  # the per-expert loop (dequantize + cuBLAS)
+                x = torch.randn(70, shape[-1], device="cuda", dtype=torch.float32)
+                ids = torch.randint(-1, shape[0] + 1, (70,), device="cuda")
                 kernels.expert_linear(x, ids, p, a, s, cb, k, shape[-1])
-                calls["expert linear, grouped"] += 1
+                calls["expert linear, per-expert loop"] += 1
 
 
 def tiled(calls: Counter, ks, variants=None) -> None:

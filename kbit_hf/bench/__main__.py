@@ -5,6 +5,8 @@
   generate  end-to-end `generate`: load time, memory, time to first token, prefill and decode tokens/s, eager and
             static cache, on named model shapes (random weights) or a local checkpoint, against bf16,
             bitsandbytes NF4 and torchao int4; table, JSON and PNG chart
+  experts   one MoE experts block (Qwen3-30B-A3B, Mixtral-8x7B, gpt-oss-20b shapes) at 1..8192 tokens: kbit's expert
+            kernels against bf16 experts through torch._grouped_mm
   train     a LoRA training step (QLoRA): tokens/s and peak memory against bf16 LoRA and bitsandbytes NF4
   calibrate wall time and peak device memory of calibrated quantization of a named shape
   plot      the chart and table of a `generate` JSON file
@@ -32,6 +34,10 @@ def main(argv=None):
     from .generate import add_arguments
 
     add_arguments(pg)
+    pe = sub.add_parser("experts", help="MoE experts-block micro-benchmark (needs a CUDA GPU and the compiled library)")
+    from .experts import add_arguments as add_experts_arguments
+
+    add_experts_arguments(pe)
     pt = sub.add_parser("train", help="LoRA training-step speed and memory (QLoRA) on a named shape")
     from .train import add_arguments as add_train_arguments
 
@@ -52,6 +58,10 @@ def main(argv=None):
         from .generate import run
 
         return run(args)
+    if args.cmd == "experts":
+        from .experts import run as run_experts
+
+        return run_experts(args)
     if args.cmd == "train":
         from .train import run as run_train
 

@@ -245,13 +245,18 @@ def test_linear_large_m(k, dtype, M):
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32), ids=str)
 @pytest.mark.parametrize("N", (1, 5, 64, 100, 1100))
-@pytest.mark.parametrize("path", ("per_row", "grouped"))
+@pytest.mark.parametrize("path", ("auto", "per_row", "grouped", "grouped_mm", "loop"))
 @pytest.mark.parametrize("shape", ((40, 136), (20, 2080)), ids=str)
-def test_expert_linear(k, dtype, N, path, shape, monkeypatch):
-    """Both expert paths for every N: the per-row kernel, and rows grouped by expert (one fused linear per expert
-    present, dequantize + cuBLAS above 64 rows), forced through the row threshold. 20 x 2080 with few rows: the
-    folded 8-row tiles (a partial tile and step), with fp16 block scales."""
-    monkeypatch.setattr(dispatch, "EXPERT_GEMV_MAX_N", 65535 if path == "per_row" else 0)
+def test_expert_linear(k, dtype, N, path, shape):
+    """Every expert path for every N: the library's per-row and grouped kernels, dequantize + torch._grouped_mm, the
+    per-expert loop (one linear per expert present: the GEMV up to 64 rows, dequantize + cuBLAS above), each forced,
+    and dispatch's own choice through the op and the eager entry. 20 x 2080 with few rows: the folded 8-row tiles (a
+    partial tile and step), with fp16 block scales. Outputs are poisoned before each call; ids include -1 and E
+    (expert-parallel sentinels: zero rows)."""
+    if dtype == torch.float32 and path in ("per_row", "grouped"):
+        pytest.skip("the library's kernels take fp16 / bf16 activations")
+    if path == "grouped_mm" and (dtype != torch.bfloat16 or shape[0] % 8 or not dispatch.grouped_mm_runs_on(0)):
+        pytest.skip("torch._grouped_mm: bf16, rows of 16-byte multiples, compute capability >= 9.0")
     E, (out_f, in_f) = 6, shape
     cb = fmt.nf_codebook(k)
     g = torch.Generator().manual_seed(N + k)
@@ -260,22 +265,62 @@ def test_expert_linear(k, dtype, N, path, shape, monkeypatch):
     x = torch.randn(N, in_f, generator=g).to(dtype)
     ids = torch.randint(-1, E + 1, (N,), generator=g)  # includes -1 and E (EP sentinels)
     ids[0] = -1 if N > 1 else 2
-    y = torch.ops.kbit.expert_linear(x.cuda(), ids.cuda(), p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, in_f)
-    from kbit_hf.ops import expert_linear_forward
+    if N >= 64:
+        ids[ids == 3] = 4  # an expert with no rows
+    args = (x.cuda(), ids.cuda(), p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, in_f)
+    # poison the block the caching allocator will hand out for the output (0xFFFF: NaN in fp16 / bf16)
+    torch.empty(N * out_f * 4, dtype=torch.uint8, device="cuda").fill_(0xFF)
+    if path != "auto":
+        outs = [kernels.expert_linear(*args, kernel=path)]
+    else:
+        from kbit_hf.ops import expert_linear_forward
 
-    y2 = expert_linear_forward(x.cuda(), ids.cuda(), p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, in_f)
+        outs = [torch.ops.kbit.expert_linear(*args), expert_linear_forward(*args)]
     wd = reference.dequantize(p, a, s, cb, k, in_f, torch.float32).double()
-    for r in range(N):
-        e = int(ids[r])
-        for yy in (y, y2):
-            if e < 0 or e >= E:
-                assert bool((yy[r] == 0).all())
-                continue
-            ref = x[r].double() @ wd[e].T
-            mag = x[r].double().abs() @ wd[e].abs().T
-            # bf16 / fp16 rows may run the fused GEMV on either path (per row, or <= 64 rows of one expert)
-            rel_w = 1e-5 if dtype == torch.float32 else GEMV_REL_W[dtype]
-            _assert_linear_close(yy[r : r + 1], ref[None], mag[None], dtype, rel_w=rel_w)
+    ref, mag = torch.zeros(N, out_f, dtype=torch.float64), torch.zeros(N, out_f, dtype=torch.float64)
+    for e in range(E):
+        rows = ids == e
+        ref[rows] = x[rows].double() @ wd[e].T
+        mag[rows] = x[rows].double().abs() @ wd[e].abs().T
+    valid = (ids >= 0) & (ids < E)
+    # bf16 / fp16 rows may run the fused GEMV on either path (per row, or <= 64 rows of one expert)
+    rel_w = 1e-5 if dtype == torch.float32 else GEMV_REL_W[dtype]
+    for yy in outs:
+        assert bool((yy[~valid.cuda()] == 0).all())
+        _assert_linear_close(yy[valid.cuda()], ref[valid], mag[valid], dtype, rel_w=rel_w)
+
+
+@pytest.mark.parametrize("N", (9, 70, 300))
+def test_expert_linear_grouped_rows_independent_of_order(N):
+    """The grouped kernel's sort leaves the rows of one expert in any order, so the rows sharing a work item vary; a
+    row's result must not depend on them: permuting the rows permutes the output bitwise."""
+    k, E, out_f, in_f = 4, 3, 96, 520
+    cb = fmt.nf_codebook(k).cuda()
+    g = torch.Generator().manual_seed(N)
+    p, a, s = (t.cuda() for t in reference.quantize(torch.randn(E, out_f, in_f, generator=g), cb.cpu(), k, "e4m4"))
+    x = torch.randn(N, in_f, generator=g).to(torch.bfloat16).cuda()
+    ids = torch.randint(0, E, (N,), generator=g).cuda()
+    perm = torch.randperm(N, generator=g).cuda()
+    y = kernels.expert_linear(x, ids, p, a, s, cb, k, in_f, kernel="grouped")
+    yp = kernels.expert_linear(x[perm], ids[perm], p, a, s, cb, k, in_f, kernel="grouped")
+    assert torch.equal(yp, y[perm])
+
+
+@pytest.mark.parametrize("N", (0, 1, 7, 9, 4000))
+def test_expert_linear_grouped_many_experts(N):
+    """The grouped kernel's sort with more experts than rows and more buckets than one scan chunk (E = 1500, > 1024
+    threads): every row lands in its expert's group. Compared bitwise with the per-row kernel: at under 8 rows per
+    expert both run 8-row tiles in the same decode mode."""
+    k, E, out_f, in_f = 3, 1500, 32, 64
+    cb = fmt.nf_codebook(k).cuda()
+    g = torch.Generator().manual_seed(N)
+    p, a, s = (t.cuda() for t in reference.quantize(torch.randn(E, out_f, in_f, generator=g), cb.cpu(), k, "e4m4"))
+    x = torch.randn(N, in_f, generator=g).to(torch.float16).cuda()
+    ids = torch.randint(-2, E + 2, (N,), generator=g).cuda()
+    y = kernels.expert_linear(x, ids, p, a, s, cb, k, in_f, kernel="grouped")
+    y1 = torch.cat([kernels.expert_linear(x[i : i + 1000], ids[i : i + 1000], p, a, s, cb, k, in_f, kernel="per_row")
+                    for i in range(0, N, 1000)]) if N else y
+    assert torch.equal(y, y1)
 
 
 @pytest.mark.parametrize("shape", ((512, 1024), (1024, 4096)), ids=str)  # 1024 x 4096: the folded tiles

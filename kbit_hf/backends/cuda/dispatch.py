@@ -6,7 +6,9 @@ batch size, shape and GPU is the library's choice: csrc/kbit_dispatch.h. docs/de
 | `linear`: fused GEMV for 1 <= M <= GEMV_MAX_M rows of fp16/bf16 | the GEMV reads the packed weight once and is bound by those bytes |
 | `linear`, tiled weight, compute capability 9.0, GEMV_MAX_M < M <= GEMM_MAX_M rows of fp16/bf16 (GEMM_MAX_M_SMALL on small layers): the tensor-core GEMM | decodes each weight tile once per 128-256 tokens in registers; no bf16 copy of the weight in memory; above those rows the two are within about 10% on the large layers and dequantize + cuBLAS wins on 4096x4096 (numbers below) |
 | `linear`, anything else: dequantize + cuBLAS | the fallback (bit-plane weights, other GPUs, fp32 activations) |
-| `expert_linear`: per-row expert GEMV for N <= EXPERT_GEMV_MAX_N rows (any N up to 65535 while capturing a CUDA graph), else one `linear` per expert present | the per-row kernel needs no host sync; past ~1024 rows re-reading an expert per row costs more than the sync and grouped launches |
+| `expert_linear`, bf16, at least EXPERT_GROUPED_MM_MIN_ROWS rows per expert on average, compute capability >= 9.0: every expert dequantized to bf16, then `torch._grouped_mm` | with that many rows per expert the tensor-core grouped GEMM outruns the GEMV-class kernel by more than the dequantization costs (numbers below) |
+| `expert_linear`, other fp16 / bf16: the library's expert kernel (per-row, or rows grouped by expert: its choice) | sorts the rows by expert on the device (no host sync, capturable) and reads each expert tile once per up to 64 of its rows |
+| `expert_linear`, fp32 activations: one `linear` per expert present | the reference-precision path; one host sync |
 | tiled layout: e4m4 scales, out % 16 == 0, in % 256 == 0, out * in >= TILED_MIN_NUMEL[K], sm_90 | the tiled GEMV streams whole tiles with the TMA; on smaller layers a persistent kernel's start costs more than it saves |
 """
 
@@ -17,8 +19,6 @@ import torch
 from . import library
 
 GEMV_MAX_M = 64  # the fused GEMVs take 1..64 activation rows
-EXPERT_GEMV_MAX_N = 1024  # a MoE prefill of 64 tokens x top-8 is 512 rows: still the per-row kernel
-EXPERT_GEMV_MAX_N_CAPTURING = 65535  # the kernel's grid.y limit; capture forbids the grouped path's host sync
 GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 # Measured against the bit planes on an H100: 4096 x 4096 tiled is 1.04-1.19x faster at M = 1..8 for K = 3, 4 and
@@ -87,5 +87,27 @@ def linear_uses_gemm(M: int, dtype: torch.dtype, out_features: int, in_features:
     return GEMV_MAX_M < M <= most and dtype in GEMV_DTYPES
 
 
-def expert_linear_uses_gemv(N: int, dtype: torch.dtype, capturing: bool) -> bool:
-    return dtype in GEMV_DTYPES and (N <= EXPERT_GEMV_MAX_N or (capturing and N <= EXPERT_GEMV_MAX_N_CAPTURING))
+# One experts block (kbit-bench experts) on an H100, K = 4, microseconds, the library's grouped kernel | dequantize +
+# grouped_mm, by mean rows per expert:
+#   Qwen3-30B-A3B (128 experts)  32 rows 748 | 1399   128 rows 2944 | 2354   512 rows 10284 | 5542
+#   Mixtral-8x7B (8 experts)     16 rows 793 | 2520   128 rows 3338 | 3181   512 rows 12323 | 5955
+EXPERT_GROUPED_MM_MIN_ROWS = 64
+
+
+def expert_linear_path(N: int, E: int, out_features: int, in_features: int, dtype: torch.dtype, index: int) -> str:
+    """"grouped_mm", "kernel" or "loop" (see the table above)."""
+    if (dtype == torch.bfloat16 and N >= EXPERT_GROUPED_MM_MIN_ROWS * E and out_features % 8 == 0
+            and in_features % 8 == 0 and grouped_mm_runs_on(index)):
+        return "grouped_mm"
+    return "kernel" if dtype in GEMV_DTYPES else "loop"
+
+
+_grouped_mm: dict[int, bool] = {}
+
+
+def grouped_mm_runs_on(index: int) -> bool:
+    """torch._grouped_mm (bf16) runs on CUDA device `index`: compute capability 9.0 or newer. Cached."""
+    ok = _grouped_mm.get(index)
+    if ok is None:
+        ok = _grouped_mm[index] = hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(index)[0] >= 9
+    return ok

@@ -303,33 +303,67 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
     return y.to(x.dtype)
 
 
-def expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features):
-    """Row r = x[r] @ W[expert_ids[r]]^T; ids outside [0, E) give zero rows."""
-    from ..reference import rows_by_expert
+EXPERT_KERNELS = {"per_row": 1, "grouped": 2}  # csrc/kbit_api.h KBIT_EXPERT_* (0: the library's choice)
 
+
+def expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features, kernel: str = "auto"):
+    """Row r = x[r] @ W[expert_ids[r]]^T; ids outside [0, E) give zero rows. `kernel` forces a path (tests,
+    benchmarks): "per_row" / "grouped" (the library's kernels), "grouped_mm", "loop"; "auto": dispatch.py's choice,
+    and the library's between its kernels."""
     _need("expert_linear", x, packed, absmax, scale)
     N = x.shape[0]
     E, out_f = packed.shape[0], packed.shape[1]
     fmt.check_k(k)
     if N == 0:
         return x.new_zeros((0, out_f))
-    if dispatch.expert_linear_uses_gemv(N, x.dtype, torch.cuda.is_current_stream_capturing()):
-        _check_shapes(packed, absmax, scale, k, in_features)
-        x = x.contiguous()
-        ids = expert_ids.to(device=x.device, dtype=torch.int64).contiguous()
-        y = torch.empty((N, out_f), dtype=x.dtype, device=x.device)
-        dev = x.device
-        # referenced until the launch (see gemm_out)
-        packed, absmax, scale, cb = packed.contiguous(), absmax.contiguous(), scale.contiguous(), _cb(codebook, dev, k)
-        with on_device(dev):
-            rc = library.lib.kbit_expert_gemv(x.data_ptr(), DTYPE_CODE[x.dtype], N, ids.data_ptr(), E,
-                                              packed.data_ptr(), absmax.data_ptr(), _absmax_fp16(absmax),
-                                              scale.data_ptr(), cb.data_ptr(), k, out_f, in_features, y.data_ptr(),
-                                              stream_of(dev))
-        check(rc, "expert gemv")
-        return y
-    # Many rows: group them by expert (one host sync), one linear per expert present.
-    y = torch.zeros((N, out_f), dtype=x.dtype, device=x.device)
-    for e, rows in rows_by_expert(expert_ids, E):
+    path = kernel
+    if kernel == "auto":
+        path = dispatch.expert_linear_path(N, E, out_f, in_features, x.dtype, x.get_device())
+    elif kernel in EXPERT_KERNELS:
+        path = "kernel"
+    if path == "grouped_mm":
+        return _expert_grouped_mm(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
+    if path == "loop":
+        return _expert_loop(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
+    _check_shapes(packed, absmax, scale, k, in_features)
+    x = x.contiguous()
+    dev = x.device
+    ids = expert_ids.to(device=dev, dtype=torch.int64).contiguous()
+    y = torch.empty((N, out_f), dtype=x.dtype, device=dev)
+    ws_bytes = library.lib.kbit_expert_gemv_workspace(N, E)
+    ws = torch.empty((ws_bytes + 3) // 4, dtype=torch.int32, device=dev)  # the rows sorted by expert
+    # referenced until the launch (see gemm_out)
+    packed, absmax, scale, cb = packed.contiguous(), absmax.contiguous(), scale.contiguous(), _cb(codebook, dev, k)
+    with on_device(dev):
+        rc = library.lib.kbit_expert_gemv_kernel(x.data_ptr(), DTYPE_CODE[x.dtype], N, ids.data_ptr(), E,
+                                                 packed.data_ptr(), absmax.data_ptr(), _absmax_fp16(absmax),
+                                                 scale.data_ptr(), cb.data_ptr(), k, out_f, in_features, y.data_ptr(),
+                                                 ws.data_ptr(), ws_bytes, EXPERT_KERNELS.get(kernel, 0),
+                                                 stream_of(dev))
+    check(rc, "expert gemv")
+    return y
+
+
+def _expert_grouped_mm(x, expert_ids, packed, absmax, scale, codebook, k, in_features):
+    """Every expert dequantized to x's dtype, the rows sorted by expert on the device (ids outside [0, E) last, their
+    rows zero), one torch._grouped_mm. No host sync."""
+    E = packed.shape[0]
+    ids = expert_ids.to(x.device)
+    valid = (ids >= 0) & (ids < E)
+    sorted_ids, order = torch.where(valid, ids, E).sort()
+    ends = torch.searchsorted(sorted_ids, torch.arange(1, E + 1, device=x.device, dtype=sorted_ids.dtype))
+    w = dequantize(packed, absmax, scale, codebook, k, in_features, x.dtype)
+    ys = torch._grouped_mm(x[order], w.transpose(-2, -1), offs=ends.to(torch.int32))
+    y = torch.empty_like(ys)
+    y[order] = torch.where((sorted_ids < E).unsqueeze(-1), ys, 0)
+    return y
+
+
+def _expert_loop(x, expert_ids, packed, absmax, scale, codebook, k, in_features):
+    """One linear per expert present (one host sync)."""
+    from ..reference import rows_by_expert
+
+    y = torch.zeros((x.shape[0], packed.shape[1]), dtype=x.dtype, device=x.device)
+    for e, rows in rows_by_expert(expert_ids, packed.shape[0]):
         y[rows] = linear(x[rows], packed[e], absmax[e], scale[e], codebook, k, in_features).to(x.dtype)
     return y
