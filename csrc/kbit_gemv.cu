@@ -1,10 +1,14 @@
 // kbit_gemv.cu: fused dequantize + GEMV over the bit planes (docs/format.md) for the decode path (M = 1..64 activation
-// rows, fp16/bf16, fp32 accumulate) on the tensor cores (mma.sync m16n8k16, sm_80+), and the grouped (per-row expert)
-// GEMV used by KbitMoE. Which variant a call runs: kbit_dispatch.h.
+// rows, fp16/bf16, fp32 accumulate) on the tensor cores (mma.sync m16n8k16, sm_80+), and the expert GEMV used by
+// KbitMoE. Which variant a call runs: kbit_dispatch.h.
 //
-// - A CTA owns one tile of 16 output rows (blockIdx.y = token for the expert variant) and W = 4 or 8 warps that
+// - A CTA owns one tile of 16 output rows per row group (blockDim.y groups) and W = 1, 4 or 8 warps per group that
 //   split the input dimension: warp w handles steps w, w + W, ..., a step being 8 consecutive 32-element blocks;
 //   the W partial tiles are summed through shared memory in a fixed order (deterministic, no atomics, no workspace).
+// - Experts (weights [E, out, in]): per-row mode, blockIdx.y = row n of x and y, expert ids[n]; or grouped mode, the
+//   rows counting-sorted by expert on the device first (expert_route_kernel), blockIdx.y = a work item of up to 8 NT
+//   rows of one expert (find_item), whose x rows the CTA gathers and whose y rows it scatters (srow), so an expert
+//   tile is read once per item. Ids outside [0, E) give zero rows in both.
 // - The weight tile is the MMA's A operand (16 rows x k16), the activations its B operand (k16 x n8: tokens 0..M-1,
 //   zero past M), fp32 accumulators. The k order inside an MMA is free (A and B only have to agree), so lane
 //   4g + q owns whole blocks: in a step, blocks b0 + q and b0 + 4 + q of rows g and g + 8. It loads their K packed
@@ -849,21 +853,24 @@ int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absm
 }
 
 // M <= 8 rows (per-row expert mode: one row per CTA row, `items` = N; grouped: items of at most 8 rows), 16- or
-// folded 8-row tiles
+// folded 8-row tiles; expert rows of few steps in CTAs of 8 row groups (gemv_expert_short_rows)
 template <int K, typename T>
 int launch_m8(int64_t M, const void* x, const uint32_t* packed, const void* absmax, int fp16, const float* scale,
               const float* cb, int64_t out, int64_t in, int64_t nb, int vec, const void* bias, void* y,
               int64_t items, int64_t busy, ExpertRows er, cudaStream_t st) {
   int dev = 0, sms = 0;
   if (!current_device_sms(dev, sms)) return (int)cudaErrorInvalidDevice;
-  const bool fold = er.order == nullptr && gemv_fold(K, M, in, ((out + TILE - 1) / TILE) * busy, sms);
+  const bool expert = er.ids != nullptr || er.order != nullptr;
+  const bool short_rows = expert && gemv_expert_short_rows(nb);
+  const int RW = short_rows ? GEMV_MAX_WARPS : 1;  // row groups per CTA
+  const bool fold = er.order == nullptr && !short_rows && gemv_fold(K, M, in, ((out + TILE - 1) / TILE) * busy, sms);
   const int tr = fold ? 8 : TILE;
-  const int64_t tiles = (out + tr - 1) / tr;
+  const int64_t tiles = (out + tr * RW - 1) / (tr * RW);
   if (items > 65535 || tiles > 0x7FFFFFFF) return (int)cudaErrorInvalidConfiguration;
-  const int W = gemv_warps(fold, tiles * busy, nb, sms);
+  const int W = short_rows ? 1 : gemv_warps(fold, tiles * busy, nb, sms);
   constexpr int kMode = gemv_decode_mode(K, 1), kRegs = gemv_max_regs(1);
   auto kern = fold ? gemv_kernel<K, T, kMode, kRegs, 1, true> : gemv_kernel<K, T, kMode, kRegs, 1>;
-  kern<<<dim3((unsigned)tiles, (unsigned)items), W * 32, 0, st>>>(
+  kern<<<dim3((unsigned)tiles, (unsigned)items), dim3(W * 32, RW), 0, st>>>(
       reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb, reinterpret_cast<const T*>(bias),
       reinterpret_cast<T*>(y), out, (int)in, (int)nb, er, vec);
   return (int)cudaGetLastError();
