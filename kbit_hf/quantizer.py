@@ -173,10 +173,11 @@ class KbitHfQuantizer(HfQuantizer):
         _drop_kbit_weight_conversions(model)
         if self.pre_quantized and self.quantization_config.dequantize:
             return self._dequantize(model)
-        for module in model.modules():
-            # the backends' in-memory layout (not for offloaded layers: accelerate keeps their tensors elsewhere and
-            # swaps them in per forward)
-            if isinstance(module, KbitLinear) and not hasattr(module, "_hf_hook"):
+        # the backends' in-memory layout, not for offloaded layers: accelerate keeps their tensors elsewhere and swaps
+        # them in per forward (a device_map over several GPUs hooks every layer without offloading it)
+        offloaded = [name for name, module in model.named_modules() if _offloads(module)]
+        for name, module in model.named_modules():
+            if isinstance(module, KbitLinear) and not any(name == o or name.startswith(o + ".") for o in offloaded):
                 module.use_device_layout_()
         cfg = self.quantization_config
         model.add_model_tags(["kbit", f"kbit-{cfg.k}bit"] + (["kbit-mixed"] if cfg.module_k else []))
@@ -380,6 +381,13 @@ def _check_values(name: str, tensors: dict[str, torch.Tensor], absmax_format: st
     absmax = tensors["_absmax"]
     if absmax_format == "fp16" and not (torch.isfinite(absmax).all() and (absmax >= 0).all()):
         raise ValueError(f"kbit checkpoint: {name}_absmax (fp16 block scales) must be finite and >= 0")
+
+
+def _offloads(module) -> bool:
+    """An accelerate hook on `module` offloads its weights (they live in a weights map, not on the module)."""
+    hook = getattr(module, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", None) or [hook]
+    return any(getattr(h, "offload", False) for h in hooks if h is not None)
 
 
 def _drop_kbit_weight_conversions(model) -> None:

@@ -198,3 +198,50 @@ def test_moe_model_backward_on_the_gpu_matches_its_dequantized_model(tmp_path):
         grads.append(emb.grad)
     assert torch.isfinite(grads[0]).all() and grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-6)
+
+
+def _split_over_two_gpus(model) -> dict:
+    """A device_map putting the first half of the decoder layers (and the embeddings) on GPU 0, the rest on GPU 1."""
+    n = model.config.num_hidden_layers
+    dmap = {}
+    for name, _ in model.model.named_children():
+        if name == "layers":
+            dmap.update({f"model.layers.{i}": 0 if i < n // 2 else 1 for i in range(n)})
+        else:
+            dmap[f"model.{name}"] = 1 if name == "norm" else 0
+    dmap["lm_head"] = 1
+    return dmap
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("family,wide", [("llama", False), ("llama", True), ("qwen3_moe", False)])
+def test_device_map_over_two_gpus_matches_one_gpu(family, wide, tmp_path):
+    """Decoder layers split over two GPUs by device_map, quantized on the fly and loaded pre-quantized: the same
+    logits and greedy tokens as the model on one GPU, and the kbit tensors of each layer on its own GPU. wide:
+    4096-wide layers, held in the tiled layout (TMA descriptors and kernels per device)."""
+    over = dict(hidden_size=4096, intermediate_size=4096, num_attention_heads=32, num_key_value_heads=8) if wide else {}
+    tiny_model(family, num_hidden_layers=4, **over).save_pretrained(tmp_path / "fp")
+    cfg = KbitConfig(k=4)
+    one = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=cfg, device_map="cuda:0")
+    one.save_pretrained(tmp_path / "q")
+    dmap = _split_over_two_gpus(one)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    with torch.no_grad():
+        ref = one(ids.to("cuda:0")).logits.float().cpu()
+        ref_tokens = one.generate(ids.to("cuda:0"), max_new_tokens=6, do_sample=False).cpu()
+    for source, kw in ((tmp_path / "fp", dict(quantization_config=cfg)), (tmp_path / "q", {})):
+        two = AutoModelForCausalLM.from_pretrained(source, device_map=dmap, **kw)
+        kbit = [m for m in two.modules() if isinstance(m, (KbitLinear, KbitMoE))]
+        assert {p.device.index for m in kbit for p in m.parameters()} == {0, 1}
+        for name, m in two.named_modules():
+            if isinstance(m, (KbitLinear, KbitMoE)) and name.startswith("model.layers."):
+                want = dmap[".".join(name.split(".")[:3])]
+                assert {p.device.index for p in m.parameters()} == {want}, name
+        if wide:
+            assert any(m.layout != "bit planes" for m in kbit if isinstance(m, KbitLinear)), "no tiled layer on 2 GPUs"
+        with torch.no_grad():
+            logits = two(ids.to("cuda:0")).logits.float().cpu()
+            tokens = two.generate(ids.to("cuda:0"), max_new_tokens=6, do_sample=False).cpu()
+        torch.testing.assert_close(logits, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+        assert torch.equal(tokens, ref_tokens), source
+        del two
