@@ -42,11 +42,23 @@ int main() {
   for (int NT : {2, 4, 8}) {
     for (int K = 2; K <= 5; ++K) check(NT != 8 || gemv_decode_mode(K, NT) == 0, "decode mode at NT = 8", K, NT);
     for (int sms : {1, 8, 78, 108, 132, 144, 170})
-      for (long long out = 16; out <= (1 << 20); out = out * 3 / 2 + 16) {
-        const GemvTokenCta c = gemv_token_cta(out, NT, sms);
-        check(c.rw * c.kw <= GEMV_MAX_WARPS && c.kw * NT <= GEMV_MAX_KW_NT && c.kw >= 1, "gemv_token_cta", out, sms);
-      }
+      for (long long out = 16; out <= (1 << 20); out = out * 3 / 2 + 16)
+        for (long long busy : {1LL, 7LL, 500LL}) {
+          const GemvTokenCta c = gemv_token_cta(out, NT, busy, sms);
+          check(c.rw * c.kw <= GEMV_MAX_WARPS && c.kw * NT <= GEMV_MAX_KW_NT && c.kw >= 1, "gemv_token_cta", out,
+                sms);
+        }
   }
+  // grouped expert items: whole token tiles of at most GEMV_MAX_M rows, at least the mean rows per expert present
+  for (long long E : {1LL, 8LL, 128LL, 8192LL})
+    for (long long N = 1; N < 1000000; N = N * 3 + 1) {
+      const long long mt = expert_item_rows(N, E), present = N < E ? N : E;
+      check(mt % 8 == 0 && mt >= 8 && mt <= GEMV_MAX_M && (mt >= (N + present - 1) / present || mt == GEMV_MAX_M),
+            "expert_item_rows", N, E);
+    }
+  check(!expert_grouped(EXPERT_PER_ROW_MAX_N, 128) && expert_grouped(EXPERT_PER_ROW_MAX_N + 1, 128) &&
+            !expert_grouped(1000, EXPERT_GROUPED_MAX_E + 1),
+        "expert_grouped", EXPERT_PER_ROW_MAX_N, EXPERT_GROUPED_MAX_E);
   check(gemv_decode_mode(5, 1) == 0, "K = 5 decodes through the table", 5, 1);
   for (int sms : {1, 8, 132})
     for (long long ctas = 1; ctas < 100000; ctas = ctas * 2 + 1)
