@@ -163,20 +163,28 @@ def _import_error(module: str) -> str | None:
         return f"{module} not importable ({type(exc).__name__}: {exc})"
 
 
+def _cuda_indices(device) -> list[int]:
+    """The GPUs a run on `device` uses: its index, or every visible GPU for plain "cuda" (a device_map may spread
+    the model over several; the others then hold nothing)."""
+    if device.type != "cuda":
+        return []
+    return [device.index] if device.index is not None else list(range(torch.cuda.device_count()))
+
+
 def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    for i in _cuda_indices(device):
+        torch.cuda.synchronize(i)
 
 
 def _mem(device) -> dict:
-    if device.type != "cuda":
-        return {"allocated": 0, "peak": 0}
-    return {"allocated": torch.cuda.memory_allocated(device), "peak": torch.cuda.max_memory_allocated(device)}
+    idx = _cuda_indices(device)
+    return {"allocated": sum(torch.cuda.memory_allocated(i) for i in idx),
+            "peak": sum(torch.cuda.max_memory_allocated(i) for i in idx)}
 
 
 def _reset_peak(device):
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    for i in _cuda_indices(device):
+        torch.cuda.reset_peak_memory_stats(i)
 
 
 def _free(device):
@@ -298,7 +306,7 @@ def run_method(method: Method, folder: str, device, args, progress) -> dict:
     _reset_peak(device)
     try:
         load_s, model = _timed(lambda: AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.bfloat16, device_map=str(device),
+            folder, dtype=torch.bfloat16, device_map=args.device_map or str(device),
             quantization_config=method.quantization_config()), device)
     except Exception as exc:
         res["error"] = f"load failed: {type(exc).__name__}: {exc}"
@@ -446,6 +454,8 @@ def run(args) -> int:
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     import transformers
 
+    if args.device_map and device.type == "cuda" and torch.cuda.device_count() > 1:
+        dev_name = f"{torch.cuda.device_count()} x {dev_name}, device_map={args.device_map}"
     report = {"model": model_name, "checkpoint": folder, "device": dev_name, "torch": torch.__version__,
               "transformers": transformers.__version__, "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "repeats": args.repeats, "defer_stop": bool(args.defer_stop),
@@ -501,6 +511,9 @@ def add_arguments(p) -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=2, help="timed repeats after the warm-up (median)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--device-map", default=None,
+                   help='a from_pretrained device_map instead of --device, e.g. "balanced" to spread the layers over '
+                        "every visible GPU (memory is summed over them)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--png", default=None, help="draw the decode-speed chart here (needs matplotlib)")
     p.add_argument("--defer-stop", action="store_true",
