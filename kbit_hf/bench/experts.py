@@ -1,6 +1,7 @@
 """`kbit-bench experts`: one MoE experts block (gate_up, gating, down, the routing-weighted sum; the router excluded)
 at T tokens, kbit against bf16 experts through `torch._grouped_mm`, on named expert shapes with random weights and
-uniformly random routing.
+uniformly random routing. Every shape runs Qwen3-MoE's experts module (SwiGLU gating): the shapes differ in experts,
+top-k and widths only.
 
 Each figure is a CUDA graph of the whole block replayed (bench.kernels' method); the weights of one layer already
 exceed 4x the L2 size for the shapes here, so every call reads them from DRAM. kbit runs KbitMoE's forward with the
