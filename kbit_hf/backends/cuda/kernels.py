@@ -316,6 +316,8 @@ def expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features
     fmt.check_k(k)
     if N == 0:
         return x.new_zeros((0, out_f))
+    if kernel not in ("auto", "grouped_mm", "loop", *EXPERT_KERNELS):
+        raise ValueError(f"expert_linear: kernel must be auto, per_row, grouped, grouped_mm or loop, got {kernel!r}")
     path = kernel
     if kernel == "auto":
         path = dispatch.expert_linear_path(N, E, out_f, in_features, x.dtype, x.get_device())
