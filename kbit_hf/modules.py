@@ -68,13 +68,19 @@ class KbitLinear(nn.Linear):
     """A Linear layer whose weight is stored as K-bit codebook indices (see kbit_hf/format.py).
 
     Subclasses nn.Linear so that tools dispatching on nn.Linear (PEFT's LoRA) wrap it; the forward is
-    differentiable with respect to the input.
+    differentiable with respect to the input. Under tensor parallelism `in_features` / `out_features` stay the whole
+    layer's (transformers' hooks size the gathered activations with them) and `local_in_features` /
+    `local_out_features` are the shard this process holds (kbit_hf/tensor_parallel.py).
     """
+
+    # transformers' tensor-parallel hooks hand this module plain local tensors (its parameters and activations)
+    _hf_quantized_needs_local_tp = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool, k: int, absmax_format: str,
                  codebook: torch.Tensor, *, pre_quantized: bool, dtype=None, device=None):
         nn.Module.__init__(self)
         self.in_features, self.out_features = in_features, out_features
+        self.local_in_features, self.local_out_features = in_features, out_features
         self.k, self.absmax_format = k, absmax_format
         self._codebook_init = codebook  # used by quantize_param during an on-the-fly load
         for suffix, p in _placeholders((out_features, in_features), k, absmax_format, device, dtype,
@@ -98,13 +104,13 @@ class KbitLinear(nn.Linear):
         """Hold the weight in the layout the backends want for it on its current device."""
         if self.weight.device.type == "meta" or not self.is_packed:
             return
-        wt, at = ops.device_layout(self.weight, self.weight_absmax, self.out_features, self.in_features, self.k,
-                                   self.absmax_format)
+        wt, at = ops.device_layout(self.weight, self.weight_absmax, self.local_out_features, self.local_in_features,
+                                   self.k, self.absmax_format)
         if wt is not self.weight:
             self.weight, self.weight_absmax = _frozen(wt), _frozen(at)
 
     def _bit_planes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.bit_planes(self.weight, self.weight_absmax, self.in_features, self.k)
+        return ops.bit_planes(self.weight, self.weight_absmax, self.local_in_features, self.k)
 
     def _apply(self, fn, recurse=True):
         # A move between devices (.to / .cuda / .cpu) leaves the layout from_pretrained would have chosen there;
@@ -117,6 +123,7 @@ class KbitLinear(nn.Linear):
         return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self._refuse_shard("state_dict")  # a shard saved under the whole layer's name would be a corrupt checkpoint
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.is_packed:
             destination[prefix + "weight"], destination[prefix + "weight_absmax"] = self._bit_planes()
@@ -131,22 +138,22 @@ class KbitLinear(nn.Linear):
     def quantize_param(self, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         if name != "weight":
             raise ValueError(f"KbitLinear only quantizes 'weight', not {name!r}")
-        if tuple(value.shape) != (self.out_features, self.in_features):
-            raise ValueError(
-                f"checkpoint weight has shape {tuple(value.shape)}, the layer expects "
-                f"{(self.out_features, self.in_features)}"
-            )
+        # under tensor parallelism the loader hands over this process's shard, the shape of the placeholder's
+        expected = tuple(getattr(self.weight, "_local_tensor", self.weight).shape)
+        if tuple(value.shape) != expected:
+            raise ValueError(f"checkpoint weight has shape {tuple(value.shape)}, the layer expects {expected}")
         return _quantize("weight", value, self._codebook_init, self.k, self.absmax_format)
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or (self.bias.dtype if self.bias is not None else torch.float32)
         return ops.dequantize(self.weight, self.weight_absmax, self.weight_scale, self.weight_codebook, self.k,
-                              self.in_features, dtype)
+                              self.local_in_features, dtype)
 
     def set_weight_(self, weight: torch.Tensor) -> None:
         """Store the float `weight` [out, in] quantized into this layer's format (its k, stored codebook and
         absmax_format), in the layout the backends want on the layer's device. Used to merge LoRA adapters
         (kbit_hf/peft_integration.py): the result is exactly what quantizing `weight` from scratch gives."""
+        self._refuse_shard("set_weight_")
         if not self.is_packed:
             raise ValueError("set_weight_: this KbitLinear holds a float placeholder (an on-the-fly load that has not "
                              "quantized it yet), not a packed weight")
@@ -164,9 +171,22 @@ class KbitLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear_forward(x, self.weight, self.weight_absmax, self.weight_scale, self.weight_codebook,
-                                  self.k, self.in_features, self.bias)
+                                  self.k, self.local_in_features, self.bias)
+
+    @property
+    def is_shard(self) -> bool:
+        """Holds one tensor-parallel shard of the layer, not the whole weight."""
+        return (self.local_in_features, self.local_out_features) != (self.in_features, self.out_features)
+
+    def _refuse_shard(self, what: str) -> None:
+        if self.is_shard:
+            raise NotImplementedError(
+                f"{what}: this KbitLinear holds a tensor-parallel shard ({self.local_out_features} x "
+                f"{self.local_in_features} of {self.out_features} x {self.in_features}); load the model without "
+                "tp_plan to change, dequantize or save its weights")
 
     def to_linear(self, dtype: torch.dtype) -> nn.Linear:
+        self._refuse_shard("to_linear")
         layer = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta", dtype=dtype)
         layer.weight = nn.Parameter(self.dequantized_weight(dtype), requires_grad=False)
         if self.bias is not None:

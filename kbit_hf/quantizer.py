@@ -18,6 +18,7 @@ from transformers.quantizers.base import HfQuantizer, get_keys_to_not_convert
 from transformers.utils import logging
 
 from . import format as fmt
+from . import tensor_parallel
 from .config import KbitConfig, matches_module
 from .modules import COMPANIONS, KbitLinear, KbitMoE, is_fused_experts
 
@@ -130,8 +131,7 @@ class KbitHfQuantizer(HfQuantizer):
         return not any(matches_module(name, pattern) for pattern in self.modules_to_not_convert)
 
     def _process_model_before_weight_loading(self, model, device_map=None, checkpoint_files=None, **kwargs):
-        if getattr(model.config, "distributed_config", None) is not None or getattr(model, "_tp_size", None):
-            raise NotImplementedError("kbit does not support tensor or expert parallelism yet; load without tp_plan")
+        tp = tensor_parallel.tp_size(model)
         cfg = self.quantization_config
         self.nonfinite_tensors = []
         if self.pre_quantized:
@@ -160,6 +160,8 @@ class KbitHfQuantizer(HfQuantizer):
             replaced += 1
         if replaced == 0:
             logger.warning("kbit: no nn.Linear or fused experts module was found to quantize")
+        if tp > 1:
+            tensor_parallel.prepare_plan(model, tp)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         if self.nonfinite_tensors:
@@ -169,6 +171,7 @@ class KbitHfQuantizer(HfQuantizer):
                 "kbit cannot quantize non-finite weights; the float checkpoint has NaN/Inf values in "
                 f"{len(self.nonfinite_tensors)} tensor(s): " + "; ".join(shown) + (f"; and {more} more" if more else "")
             )
+        tensor_parallel.localize(model)
         self._check_loaded(model)
         _drop_kbit_weight_conversions(model)
         if self.pre_quantized and self.quantization_config.dequantize:
@@ -194,7 +197,7 @@ class KbitHfQuantizer(HfQuantizer):
         for mod_name, module in model.named_modules():
             k = getattr(module, "k", None)
             if isinstance(module, KbitLinear):
-                items = [("weight", (module.out_features, module.in_features))]
+                items = [("weight", (module.local_out_features, module.local_in_features))]
             elif isinstance(module, KbitMoE):
                 items = []
                 for name in module.quantized_names:
@@ -235,6 +238,13 @@ class KbitHfQuantizer(HfQuantizer):
 
     def is_serializable(self, safe_serialization=None):
         return True
+
+    def get_state_dict_and_metadata(self, model):
+        # every process of a tensor-parallel save gets here before any collective: refuse on all of them alike
+        for module in model.modules():
+            if isinstance(module, KbitLinear):
+                module._refuse_shard("save_pretrained")
+        return super().get_state_dict_and_metadata(model)
 
     @property
     def is_trainable(self) -> bool:

@@ -291,11 +291,14 @@ def test_on_the_fly_into_disk_offload_is_refused(fp_folder, tmp_path):
                                              offload_folder=str(tmp_path))
 
 
-def test_tensor_parallel_is_refused(fp_folder):
+@pytest.mark.parametrize("field", ["ep_size", "pp_size", "dp_size", "enable_expert_parallel"])
+def test_parallelism_other_than_tensor_parallel_is_refused(field):
+    import types
+
     quantizer = kbit_hf.KbitHfQuantizer(KbitConfig(), pre_quantized=False)
     model = tiny_model("llama")
-    model.config.distributed_config = object()
-    with pytest.raises(NotImplementedError, match="tensor or expert parallel"):
+    model.config.distributed_config = types.SimpleNamespace(tp_size=2, **{field: 2})
+    with pytest.raises(NotImplementedError, match=field):
         quantizer._process_model_before_weight_loading(model)
 
 
