@@ -605,7 +605,7 @@ __device__ __forceinline__ void find_item(const int* __restrict__ offsets, int b
 // and of the second 8 in column 4 + t, so D[g][t] + D[g + 8][4 + t] is row g's sum. Same decode, same bytes per
 // lane, 256-byte runs per row and step instead of 128, twice the CTAs: faster only where the 16-row grid leaves SMs
 // idle (gemv_fold).
-template <int K, typename T, int MODE, int NREG, int NT, bool FOLD = false>
+template <int K, typename T, int MODE, int NREG, int NT, bool FOLD = false, bool ROWMAP = false>
 __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     const T* __restrict__ x, int M, const uint32_t* __restrict__ packed, const void* __restrict__ absmax, int fp16,
     const float* __restrict__ scale, const float* __restrict__ codebook, const T* __restrict__ bias,
@@ -630,9 +630,25 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
   int64_t e = 0;
   const T* xr = x;
   T* yr = y;
-  const int* srow = nullptr;  // grouped mode: token t of this CTA is row srow[t] of x and y
-  __shared__ int srows[8 * NT];
-  if (er.ids != nullptr) {
+  // ROWMAP (grouped expert mode): token t of this CTA is row srow[t] of x and y; a compile-time choice, since the
+  // row map's indirection cost the dense kernels up to 20% at 16-64 tokens
+  __shared__ int srows[ROWMAP ? 8 * NT : 1];
+  const int* const srow = ROWMAP ? srows : nullptr;
+  if constexpr (ROWMAP) {
+    __shared__ int item[3];
+    if (tid < 32) find_item(er.offsets, (int)er.E + 1, M, (int)blockIdx.y, tid, item);
+    __syncthreads();
+    M = item[2];
+    if (M <= 0) return;  // past the last work item
+    for (int t = tid; t < M; t += nthreads) srows[t] = er.order[item[1] + t];
+    __syncthreads();
+    if (item[0] == er.E) {  // ids outside [0, E): zero rows
+      for (int i = threadIdx.x; i < M * TR; i += blockDim.x)
+        if (o0 + i % TR < out) y[(int64_t)srow[i / TR] * out + o0 + i % TR] = Cvt<T>::from_f(0.f);
+      return;
+    }
+    e = item[0];
+  } else if (er.ids != nullptr) {
     const int64_t n = blockIdx.y;
     const int64_t id = er.ids[n];
     yr = y + n * out;
@@ -642,21 +658,6 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     }
     e = id;
     xr = x + n * (int64_t)in;
-  } else if (er.order != nullptr) {
-    __shared__ int item[3];
-    if (tid < 32) find_item(er.offsets, (int)er.E + 1, M, (int)blockIdx.y, tid, item);
-    __syncthreads();
-    M = item[2];
-    if (M <= 0) return;  // past the last work item
-    for (int t = tid; t < M; t += nthreads) srows[t] = er.order[item[1] + t];
-    __syncthreads();
-    srow = srows;
-    if (item[0] == er.E) {  // ids outside [0, E): zero rows
-      for (int i = threadIdx.x; i < M * TR; i += blockDim.x)
-        if (o0 + i % TR < out) y[(int64_t)srow[i / TR] * out + o0 + i % TR] = Cvt<T>::from_f(0.f);
-      return;
-    }
-    e = item[0];
   }
   const int g = lane >> 2, q = lane & 3;
   const uint32_t c4 = (uint32_t)(lane & (C::R - 1)) * 4u;
@@ -835,15 +836,19 @@ int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absm
   const int RW = cta.rw, KW = cta.kw;
   const int64_t tiles = (out + TILE * RW - 1) / (TILE * RW);
   if (tiles > 0x7FFFFFFF || items > 65535) return (int)cudaErrorInvalidConfiguration;
-  auto kern = gemv_kernel<K, T, gemv_decode_mode(K, NT), gemv_max_regs(NT), NT>;
+  constexpr int kMode = gemv_decode_mode(K, NT), kRegs = gemv_max_regs(NT);
+  const auto dense = gemv_kernel<K, T, kMode, kRegs, NT>, grouped = gemv_kernel<K, T, kMode, kRegs, NT, false, true>;
+  const auto kern = er.order != nullptr ? grouped : dense;
   // activation stages: 2 per k split, 33 KB per split at NT = 4; the opt-in limit (the largest, KW * NT =
   // GEMV_MAX_KW_NT) is set once per device
   const int dyn = KW * 2 * 8 * NT * XS_TOKEN;
   constexpr int kMaxDyn = GEMV_MAX_KW_NT * 2 * 8 * XS_TOKEN;  // 132 KB
   static bool attr_set[64] = {};
   if (!attr_set[dev]) {
-    const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDyn);
-    if (e != cudaSuccess) return (int)e;
+    for (const auto k : {dense, grouped}) {
+      const cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDyn);
+      if (e != cudaSuccess) return (int)e;
+    }
     attr_set[dev] = true;
   }
   kern<<<dim3((unsigned)tiles, (unsigned)items), dim3(KW * 32, RW), dyn, st>>>(
@@ -869,7 +874,9 @@ int launch_m8(int64_t M, const void* x, const uint32_t* packed, const void* absm
   if (items > 65535 || tiles > 0x7FFFFFFF) return (int)cudaErrorInvalidConfiguration;
   const int W = short_rows ? 1 : gemv_warps(fold, tiles * busy, nb, sms);
   constexpr int kMode = gemv_decode_mode(K, 1), kRegs = gemv_max_regs(1);
-  auto kern = fold ? gemv_kernel<K, T, kMode, kRegs, 1, true> : gemv_kernel<K, T, kMode, kRegs, 1>;
+  const auto kern = fold ? gemv_kernel<K, T, kMode, kRegs, 1, true>
+                    : er.order != nullptr ? gemv_kernel<K, T, kMode, kRegs, 1, false, true>
+                                          : gemv_kernel<K, T, kMode, kRegs, 1>;
   kern<<<dim3((unsigned)tiles, (unsigned)items), dim3(W * 32, RW), 0, st>>>(
       reinterpret_cast<const T*>(x), (int)M, packed, absmax, fp16, scale, cb, reinterpret_cast<const T*>(bias),
       reinterpret_cast<T*>(y), out, (int)in, (int)nb, er, vec);
