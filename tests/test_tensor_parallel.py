@@ -41,7 +41,7 @@ def _dense(tmp_path, **overrides):
     torch.cuda.device_count() < 2, reason="needs two GPUs"))], ids=["cpu", "two_gpus"])
 def test_tensor_parallel_matches_one_process(tmp_path, gpus):
     fp = _dense(tmp_path, **(dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-                                  intermediate_size=4096) if gpus else {}))
+                                  intermediate_size=8192) if gpus else {}))
     device = "cuda:0" if gpus else "cpu"
     one = AutoModelForCausalLM.from_pretrained(fp, quantization_config=KbitConfig(k=4), dtype=torch.float32,
                                                device_map=device)

@@ -13,6 +13,10 @@ consecutive tokens (steady state); end-to-end tokens/s = batch * N / call time. 
 `min_new_tokens` = `max_new_tokens` so random weights never stop early. Memory: `torch.cuda` allocator statistics
 (resident after load, peak during load, peak during generation), relative to what was allocated before loading.
 
+`--tp-plan auto` runs tensor parallel over the processes of `torchrun --nproc-per-node N -m kbit_hf.bench generate
+...`: every process loads its shards on its own GPU and runs the same `generate`; rank 0 reports its timings, and
+memory summed over the processes.
+
 `--defer-stop` turns on transformers' `DeferredStopCheck` on CUDA as well (transformers 5.x enables it on mps
 only): the host reads the stop flag and the streamed token one step late, through non-blocking copies, instead of
 synchronising with the device every step, so it can queue step n+1 while the device runs step n. Every method runs
@@ -187,6 +191,19 @@ def _reset_peak(device):
         torch.cuda.reset_peak_memory_stats(i)
 
 
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _summed(n: int) -> int:
+    """n summed over the processes of a tensor-parallel run (n itself otherwise)."""
+    if not torch.distributed.is_initialized():
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device="cuda" if torch.cuda.is_available() else "cpu")
+    torch.distributed.all_reduce(t)
+    return int(t.item())
+
+
 def _free(device):
     gc.collect()
     try:
@@ -305,16 +322,16 @@ def run_method(method: Method, folder: str, device, args, progress) -> dict:
     mem0 = _mem(device)["allocated"]
     _reset_peak(device)
     try:
+        place = {"tp_plan": args.tp_plan} if args.tp_plan else {"device_map": args.device_map or str(device)}
         load_s, model = _timed(lambda: AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.bfloat16, device_map=args.device_map or str(device),
-            quantization_config=method.quantization_config()), device)
+            folder, dtype=torch.bfloat16, quantization_config=method.quantization_config(), **place), device)
     except Exception as exc:
         res["error"] = f"load failed: {type(exc).__name__}: {exc}"
         progress.update(len(args.modes) * len(args.batch))
         return res
     model.eval()
     m = _mem(device)
-    res.update(load_s=load_s, resident_bytes=m["allocated"] - mem0, load_peak_bytes=m["peak"] - mem0)
+    res.update(load_s=load_s, resident_bytes=_summed(m["allocated"] - mem0), load_peak_bytes=_summed(m["peak"] - mem0))
     vocab = model.config.get_text_config().vocab_size
     for mode in args.modes:
         for batch in args.batch:
@@ -435,6 +452,8 @@ def run(args) -> int:
     from tqdm.auto import tqdm
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.tp_plan:
+        device = _start_tensor_parallel(args)
     methods = parse_methods(args.methods)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in args.modes:
@@ -448,7 +467,12 @@ def run(args) -> int:
     else:
         t = time.perf_counter()
         print(f"writing / reusing the random-weight checkpoint of {args.model} under {args.workdir} ...", flush=True)
-        folder = ensure_checkpoint(args.model, args.layers, args.workdir, str(device))
+        tp = torch.distributed.is_initialized()
+        if _rank() == 0:
+            folder = ensure_checkpoint(args.model, args.layers, args.workdir, str(device))
+        if tp:  # the other processes of a tensor-parallel run find what rank 0 wrote
+            torch.distributed.barrier()
+            folder = ensure_checkpoint(args.model, args.layers, args.workdir, str(device))
         model_name = os.path.basename(folder)
         print(f"checkpoint ready: {folder} ({time.perf_counter() - t:.0f} s)", flush=True)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -456,18 +480,22 @@ def run(args) -> int:
 
     if args.device_map and device.type == "cuda" and torch.cuda.device_count() > 1:
         dev_name = f"{torch.cuda.device_count()} x {dev_name}, device_map={args.device_map}"
+    if args.tp_plan:
+        dev_name = f"{torch.distributed.get_world_size()} x {dev_name}, tp_plan={args.tp_plan}"
     report = {"model": model_name, "checkpoint": folder, "device": dev_name, "torch": torch.__version__,
               "transformers": transformers.__version__, "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "repeats": args.repeats, "defer_stop": bool(args.defer_stop),
               "results": []}
     total = len(methods) * len(args.modes) * len(args.batch)
     defer = deferred_stop_on_cuda() if args.defer_stop else contextlib.nullcontext()
-    with defer, tqdm(total=total, desc="generate benchmark", unit="run") as progress:
+    with defer, tqdm(total=total, desc="generate benchmark", unit="run", disable=_rank() != 0) as progress:
         for method in methods:
             report["results"].append(run_method(method, folder, device, args, progress))
-            if args.json:  # keep partial results if a later method crashes the process
+            if args.json and _rank() == 0:  # keep partial results if a later method crashes the process
                 _write_json(report, args.json)
     _compare_modes(report["results"])
+    if _rank() != 0:
+        return 0
     print()
     print(f"{model_name} on {dev_name}; prompt {args.prompt_len} tokens, {args.new_tokens} new tokens; "
           f"tokens/s count all sequences of the batch; decode = steady state (median step), e2e = whole call"
@@ -484,6 +512,22 @@ def run(args) -> int:
             print("matplotlib not installed: no chart (pip install matplotlib, or "
                   "`python -m kbit_hf.bench plot RESULTS.json OUT.png` elsewhere)")
     return 0
+
+
+def _start_tensor_parallel(args) -> torch.device:
+    """This process's GPU in a torchrun launch, with the process group transformers' tensor parallel joins."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise ValueError("--tp-plan needs several processes: launch with torchrun --nproc-per-node N -m kbit_hf.bench "
+                         "generate ...")
+    if args.device_map or args.device:
+        raise ValueError("--tp-plan places each shard on its process's GPU: drop --device-map / --device")
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    return device
 
 
 def _write_json(report, path):
@@ -514,6 +558,9 @@ def add_arguments(p) -> None:
     p.add_argument("--device-map", default=None,
                    help='a from_pretrained device_map instead of --device, e.g. "balanced" to spread the layers over '
                         "every visible GPU (memory is summed over them)")
+    p.add_argument("--tp-plan", default=None, choices=["auto"],
+                   help="tensor parallel over the processes of torchrun (torchrun --nproc-per-node N -m "
+                        "kbit_hf.bench generate --tp-plan auto ...); memory is summed over them")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--png", default=None, help="draw the decode-speed chart here (needs matplotlib)")
     p.add_argument("--defer-stop", action="store_true",
