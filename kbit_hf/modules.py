@@ -43,6 +43,14 @@ def _placeholders(shape_oi: tuple[int, ...], k: int, absmax_format: str, device,
     }
 
 
+def refuse_shard(module: nn.Module, what: str) -> None:
+    """What needs a kbit module's whole weights (saving, dequantizing, merging) is refused on a tensor-parallel
+    shard: saved under the whole layer's name, a shard would be a corrupt checkpoint."""
+    if module.is_shard:
+        raise NotImplementedError(f"{what}: this {type(module).__name__} holds a tensor-parallel shard of its "
+                                  "weights; load the model without tp_plan to change, dequantize or save them")
+
+
 def _quantize(name: str, weight_oi: torch.Tensor, codebook: torch.Tensor, k: int, absmax_format: str):
     codebook = codebook.to(weight_oi.device, copy=True)  # one tensor per module: safetensors refuses shared storage
     packed, absmax, scale = ops.quantize(weight_oi, codebook, k, absmax_format)
@@ -123,7 +131,7 @@ class KbitLinear(nn.Linear):
         return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        self._refuse_shard("state_dict")  # a shard saved under the whole layer's name would be a corrupt checkpoint
+        refuse_shard(self, "state_dict")
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.is_packed:
             destination[prefix + "weight"], destination[prefix + "weight_absmax"] = self._bit_planes()
@@ -153,7 +161,7 @@ class KbitLinear(nn.Linear):
         """Store the float `weight` [out, in] quantized into this layer's format (its k, stored codebook and
         absmax_format), in the layout the backends want on the layer's device. Used to merge LoRA adapters
         (kbit_hf/peft_integration.py): the result is exactly what quantizing `weight` from scratch gives."""
-        self._refuse_shard("set_weight_")
+        refuse_shard(self, "set_weight_")
         if not self.is_packed:
             raise ValueError("set_weight_: this KbitLinear holds a float placeholder (an on-the-fly load that has not "
                              "quantized it yet), not a packed weight")
@@ -178,15 +186,8 @@ class KbitLinear(nn.Linear):
         """Holds one tensor-parallel shard of the layer, not the whole weight."""
         return (self.local_in_features, self.local_out_features) != (self.in_features, self.out_features)
 
-    def _refuse_shard(self, what: str) -> None:
-        if self.is_shard:
-            raise NotImplementedError(
-                f"{what}: this KbitLinear holds a tensor-parallel shard ({self.local_out_features} x "
-                f"{self.local_in_features} of {self.out_features} x {self.in_features}); load the model without "
-                "tp_plan to change, dequantize or save its weights")
-
     def to_linear(self, dtype: torch.dtype) -> nn.Linear:
-        self._refuse_shard("to_linear")
+        refuse_shard(self, "to_linear")
         layer = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta", dtype=dtype)
         layer.weight = nn.Parameter(self.dequantized_weight(dtype), requires_grad=False)
         if self.bias is not None:
@@ -245,7 +246,15 @@ class KbitMoE(nn.Module):
             else:
                 self.register_parameter(name, p)
         self.num_experts = int(getattr(orig, "num_experts", dict(orig.named_parameters())[self.quantized_names[0]].shape[0]))
+        self.is_shard = False  # holds one tensor-parallel shard of every expert (in_features: the shard's widths)
         self._is_hf_initialized = True
+
+    # transformers' tensor-parallel hooks hand this module plain local tensors (its parameters and activations)
+    _hf_quantized_needs_local_tp = True
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        refuse_shard(self, "state_dict")
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _apply(self, fn, recurse=True):  # dtype casts leave the kbit tensors in their format dtypes
         names = tuple(n + c for n in self.quantized_names for c in ("",) + COMPANIONS)
@@ -254,7 +263,8 @@ class KbitMoE(nn.Module):
     def quantize_param(self, name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
         if name not in self.quantized_names:
             raise ValueError(f"KbitMoE quantizes {self.quantized_names}, not {name!r}")
-        expected = tuple(getattr(self, name).shape)
+        # under tensor parallelism the loader hands over this process's shard, the shape of the placeholder's
+        expected = tuple(getattr(getattr(self, name), "_local_tensor", getattr(self, name)).shape)
         if tuple(value.shape) != expected:
             raise ValueError(f"checkpoint {name} has shape {tuple(value.shape)}, the experts expect {expected}")
         weight_oi = value.transpose(-1, -2) if self.is_transposed else value
@@ -305,6 +315,7 @@ class KbitMoE(nn.Module):
 
     def to_experts(self, dtype: torch.dtype) -> nn.Module:
         """The original experts class with dequantized float weights."""
+        refuse_shard(self, "to_experts")
         with torch.device("meta"):
             experts = self._orig_cls(self.config)
         for name, _ in list(experts.named_parameters(recurse=False)):

@@ -20,7 +20,7 @@ from transformers.utils import logging
 from . import format as fmt
 from . import tensor_parallel
 from .config import KbitConfig, matches_module
-from .modules import COMPANIONS, KbitLinear, KbitMoE, is_fused_experts
+from .modules import COMPANIONS, KbitLinear, KbitMoE, is_fused_experts, refuse_shard
 
 logger = logging.get_logger(__name__)
 
@@ -201,20 +201,21 @@ class KbitHfQuantizer(HfQuantizer):
             elif isinstance(module, KbitMoE):
                 items = []
                 for name in module.quantized_names:
-                    e, out_dim = getattr(module, name + "_absmax").shape[:2]
+                    e, out_dim = tensor_parallel.local_view(getattr(module, name + "_absmax")).shape[:2]
                     items.append((name, (e, out_dim, module.in_features[name])))
             else:
                 continue
             for name, shape_oi in items:
                 expected = fmt.packed_shapes(shape_oi, k)
-                got = {s: getattr(module, name + s) for s in ("",) + COMPANIONS}
+                params = {s: getattr(module, name + s) for s in ("",) + COMPANIONS}
+                got = {s: tensor_parallel.local_view(p) for s, p in params.items()}  # a TP shard: its local part
                 want = {"": (expected["packed"], torch.uint32), "_absmax": (expected["absmax"], absmax_dtype),
                         "_scale": (expected["scale"], torch.float32),
                         "_codebook": (expected["codebook"], torch.float32)}
                 for suffix, (shape, dtype) in want.items():
                     t = got[suffix]
                     # an offloaded tensor (accelerate keeps it on disk / in CPU RAM) is a meta placeholder here
-                    if not t.is_meta and not getattr(t, "_is_hf_initialized", False):
+                    if not t.is_meta and not getattr(params[suffix], "_is_hf_initialized", False):
                         # transformers "initializes" missing params with empty memory: never compute with that
                         raise ValueError(f"kbit checkpoint is missing {mod_name}.{name}{suffix} (truncated or "
                                          "incomplete checkpoint?)")
@@ -224,7 +225,7 @@ class KbitHfQuantizer(HfQuantizer):
                             f"expected {dtype} {tuple(shape)} for k={k}, "
                             f"absmax_format={self.quantization_config.absmax_format!r}"
                         )
-                    t.requires_grad_(False)
+                    params[suffix].requires_grad_(False)
                 _check_values(f"{mod_name}.{name}", got, self.quantization_config.absmax_format)
             kbit = {f"{n}{s}" for n, _ in items for s in ("",) + COMPANIONS}
             for pname, p in module.named_parameters(recurse=False):
@@ -242,8 +243,8 @@ class KbitHfQuantizer(HfQuantizer):
     def get_state_dict_and_metadata(self, model):
         # every process of a tensor-parallel save gets here before any collective: refuse on all of them alike
         for module in model.modules():
-            if isinstance(module, KbitLinear):
-                module._refuse_shard("save_pretrained")
+            if isinstance(module, (KbitLinear, KbitMoE)):
+                refuse_shard(module, "save_pretrained")
         return super().get_state_dict_and_metadata(model)
 
     @property

@@ -7,8 +7,10 @@ column- and row-wise hooks all-gather or all-reduce around each layer's local fo
 - row-wise (`rowwise`, input columns split): they split along whole 32-weight blocks, so `in_features` must be a
   multiple of 32 x the TP size (checked here, with the layer named);
 - the per-matrix scale and the codebook are replicated.
-After loading, `localize` turns the layers' DTensors into the plain local shards the kernels read (in the device's
-layout). MoE experts, expert parallelism, FSDP and pipeline parallelism are refused with a clear error.
+MoE experts (KbitMoE) shard the same way, every expert at once: gate_up by rows (the gate and up halves each split,
+`packed_colwise`), down by whole input blocks; transformers' experts hook sums the processes' outputs. After loading,
+`localize` turns the DTensors into the plain local shards the kernels read (in the device's layout). Experts stored
+transposed (gpt-oss), expert parallelism, FSDP and pipeline parallelism are refused with a clear error.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from .format import BLOCK
-from .modules import KbitLinear, KbitMoE
+from .modules import COMPANIONS, KbitLinear, KbitMoE
 
 REPLICATE = "replicate"  # the no-op style (transformers >= 5.23 has it; older versions get it registered here)
 
@@ -40,49 +42,59 @@ def tp_size(model: nn.Module) -> int:
 
 
 def _styles():
-    from transformers.distributed.tensor_parallel import (ALL_PARALLEL_STYLES, ColwiseParallel, RowwiseParallel,
-                                                          TensorParallelLayer)
+    from transformers.distributed.tensor_parallel import (ALL_PARALLEL_STYLES, ColwiseParallel,
+                                                          PackedColwiseParallel, RowwiseParallel, TensorParallelLayer)
 
     if REPLICATE not in ALL_PARALLEL_STYLES:
         ALL_PARALLEL_STYLES.register(REPLICATE, TensorParallelLayer())
-    return ALL_PARALLEL_STYLES, ColwiseParallel, RowwiseParallel
+    return ALL_PARALLEL_STYLES, ColwiseParallel, RowwiseParallel, PackedColwiseParallel
 
 
 def prepare_plan(model: nn.Module, size: int) -> None:
-    """Check the model's TP plan against its kbit modules and replicate their scale and codebook (in place, before
-    transformers shards the meta model)."""
-    styles, colwise, rowwise = _styles()
+    """Check the model's TP plan against its kbit modules and give their companions plan entries (in place, before
+    transformers shards the meta model): block scales follow their weight, the scale and the codebook are
+    replicated."""
+    styles, colwise, rowwise, packed_colwise = _styles()
     plan = model.tp_plan
     for name, module in model.named_modules():
         generic = _generic(name)
-        if isinstance(module, KbitMoE):
+        if isinstance(module, KbitLinear):
+            weights = {"weight": (name, module.in_features)}
+        elif isinstance(module, KbitMoE):
             ruled = sorted(key for key in plan if key == generic or key.startswith(generic + "."))
-            if ruled:
+            if not ruled:
+                continue
+            if module.is_transposed:
                 raise NotImplementedError(
-                    f"kbit does not support tensor parallelism over MoE experts yet: the TP plan shards {name} "
-                    f"({', '.join(f'{key}: {plan[key]}' for key in ruled)}); load it on one GPU, or over several "
+                    f"kbit cannot shard {name} for tensor parallelism: its experts are stored transposed "
+                    f"({type(module).__name__} of {module._orig_cls.__name__}; TP plan: "
+                    f"{', '.join(f'{key}: {plan[key]}' for key in ruled)}); load it on one GPU, or over several "
                     "with device_map")
+            weights = {proj: (f"{name}.{proj}", module.in_features[proj]) for proj in module.quantized_names}
+        else:
             continue
-        if not isinstance(module, KbitLinear):
-            continue
-        style_name = plan.get(generic + ".weight", plan.get(generic))
-        if style_name is None:
-            continue
-        style = styles[style_name]
-        if type(style) is rowwise:
-            if module.in_features % (BLOCK * size):
-                raise ValueError(
-                    f"kbit cannot shard {name} row-wise ({style_name!r}) over {size} processes: in_features="
-                    f"{module.in_features} is not a multiple of {BLOCK * size} (32-weight blocks x {size}), so a "
-                    "shard boundary would split a block; add it to modules_to_not_convert or use another TP size")
-        elif type(style) is not colwise:
-            raise NotImplementedError(f"kbit cannot shard {name} with the TP style {style_name!r} "
-                                      f"({type(style).__name__}); it shards column- and row-wise Linear layers only: "
-                                      "add the layer to modules_to_not_convert")
-        for param in ("weight", "weight_absmax"):
+        for param, (what, in_features) in weights.items():
+            style_name = plan.get(f"{generic}.{param}", plan.get(generic) if isinstance(module, KbitLinear) else None)
+            if style_name is None:
+                if isinstance(module, KbitMoE):  # the experts' hook sums every process's output: all must shard
+                    raise NotImplementedError(f"kbit cannot shard {name} for tensor parallelism: the TP plan has no "
+                                              f"rule for {what} (it needs one for each projection)")
+                continue
+            style = styles[style_name]
+            if type(style) is rowwise:
+                if in_features % (BLOCK * size):
+                    raise ValueError(
+                        f"kbit cannot shard {what} row-wise ({style_name!r}) over {size} processes: in_features="
+                        f"{in_features} is not a multiple of {BLOCK * size} (32-weight blocks x {size}), so a shard "
+                        "boundary would split a block; add it to modules_to_not_convert or use another TP size")
+            elif type(style) not in (colwise, packed_colwise):
+                raise NotImplementedError(f"kbit cannot shard {what} with the TP style {style_name!r} "
+                                          f"({type(style).__name__}); it shards weights by output rows or by whole "
+                                          "input blocks only: add the layer to modules_to_not_convert")
             plan.setdefault(f"{generic}.{param}", style_name)
-        for param in ("weight_scale", "weight_codebook"):
-            plan[f"{generic}.{param}"] = REPLICATE
+            plan.setdefault(f"{generic}.{param}_absmax", style_name)
+            for companion in ("_scale", "_codebook"):
+                plan[f"{generic}.{param}{companion}"] = REPLICATE
 
 
 def _generic(name: str) -> str:
@@ -98,15 +110,42 @@ def _local(p: torch.Tensor) -> nn.Parameter:
     return out
 
 
+def local_view(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a DTensor (the tensor itself otherwise)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _packed_dtensor(packed: torch.Tensor, absmax: torch.Tensor, k: int) -> nn.Parameter:
+    """The packed weight as a DTensor of its true global shape: an on-the-fly load wraps the packed shard in the
+    float placeholder's metadata ([E, out, in] of floats)."""
+    from torch.distributed.tensor import DTensor
+
+    shape = (*absmax.shape[:-1], absmax.shape[-1] * k)
+    stride = torch.empty(shape, device="meta").stride()
+    out = nn.Parameter(DTensor.from_local(packed.to_local(), packed.device_mesh, packed.placements, run_check=False,
+                                          shape=shape, stride=stride), requires_grad=False)
+    out._is_hf_initialized = getattr(packed, "_is_hf_initialized", False)
+    return out
+
+
 def localize(model: nn.Module) -> None:
-    """Give every sharded KbitLinear its local shards as plain tensors, and record their widths."""
+    """After loading: every sharded KbitLinear gets its local shards as plain tensors (the kernels read them, in the
+    device's layout), and every sharded module records its widths. A row-wise shard holds whole blocks
+    (prepare_plan), so its input width is its blocks'; a column-wise one keeps every input. The experts keep their
+    DTensors (transformers' hooks hand their forward the local parts): transformers 5.17's experts hook sums the
+    processes' outputs only when it sees sharded DTensor parameters."""
     for module in model.modules():
-        if not isinstance(module, KbitLinear) or not hasattr(module.weight_absmax, "to_local"):
-            continue
-        for name in ("weight", "weight_absmax", "weight_scale", "weight_codebook"):
-            setattr(module, name, _local(getattr(module, name)))
-        rows, blocks = module.weight_absmax.shape
-        module.local_out_features = rows
-        # a row-wise shard holds whole blocks (prepare_plan), so its width is its blocks' (a column-wise one keeps
-        # every input)
-        module.local_in_features = module.in_features if blocks * BLOCK >= module.in_features else blocks * BLOCK
+        if isinstance(module, KbitLinear):
+            if not hasattr(module.weight_absmax, "to_local"):
+                continue
+            for suffix in ("",) + COMPANIONS:
+                setattr(module, "weight" + suffix, _local(getattr(module, "weight" + suffix)))
+            module.local_out_features = module.weight_absmax.shape[0]
+            module.local_in_features = min(module.in_features, module.weight_absmax.shape[-1] * BLOCK)
+        elif isinstance(module, KbitMoE):
+            names = [n for n in module.quantized_names if hasattr(getattr(module, n + "_absmax"), "to_local")]
+            for n in names:
+                absmax = getattr(module, n + "_absmax")
+                setattr(module, n, _packed_dtensor(getattr(module, n), absmax, module.k))
+                module.in_features[n] = min(module.in_features[n], absmax.to_local().shape[-1] * BLOCK)
+            module.is_shard = module.is_shard or bool(names)

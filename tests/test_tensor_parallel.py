@@ -29,19 +29,25 @@ def run_tp(folder, tmp_path, k=None, gpus=False) -> dict:
     return torch.load(out, weights_only=False)
 
 
-def _dense(tmp_path, **overrides):
-    # biases on every projection: a column-wise shard splits its bias, a row-wise one adds it once after the sum
-    model = tiny_model("llama", dtype=torch.float32, **{"intermediate_size": 128, "attention_bias": True,
-                                                        "mlp_bias": True, **overrides})
-    model.save_pretrained(tmp_path / "fp")
+def _tiny(tmp_path, family, **overrides):
+    # llama: biases on every projection (a column-wise shard splits its bias, a row-wise one adds it once after the
+    # sum); the MoE families: experts whose down_proj inputs split into whole blocks
+    base = {"llama": dict(intermediate_size=128, attention_bias=True, mlp_bias=True),
+            "qwen3_moe": dict(moe_intermediate_size=64), "mixtral": dict(intermediate_size=128)}[family]
+    tiny_model(family, dtype=torch.float32, **{**base, **overrides}).save_pretrained(tmp_path / "fp")
     return tmp_path / "fp"
 
 
-@pytest.mark.parametrize("gpus", [False, pytest.param(True, marks=pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs two GPUs"))], ids=["cpu", "two_gpus"])
-def test_tensor_parallel_matches_one_process(tmp_path, gpus):
-    fp = _dense(tmp_path, **(dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
-                                  intermediate_size=8192) if gpus else {}))
+WIDE = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192)
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+@pytest.mark.parametrize("family,gpus", [("llama", False), ("qwen3_moe", False), ("mixtral", False),
+                                         pytest.param("llama", True, marks=TWO_GPUS),
+                                         pytest.param("qwen3_moe", True, marks=TWO_GPUS)])
+def test_tensor_parallel_matches_one_process(tmp_path, family, gpus):
+    """On the fly and pre-quantized: the unsharded model's logits and greedy tokens, each layer holding its shard."""
+    fp = _tiny(tmp_path, family, **(WIDE if gpus and family == "llama" else {}))
     device = "cuda:0" if gpus else "cpu"
     one = AutoModelForCausalLM.from_pretrained(fp, quantization_config=KbitConfig(k=4), dtype=torch.float32,
                                                device_map=device)
@@ -50,28 +56,35 @@ def test_tensor_parallel_matches_one_process(tmp_path, gpus):
     with torch.no_grad():
         ref = one(ids.to(device)).logits.float().cpu()
         ref_tokens = one.generate(ids.to(device), max_new_tokens=6, do_sample=False).cpu()
+    hidden = one.config.hidden_size
     for source, k in ((fp, 4), (tmp_path / "q", None)):  # on the fly, then pre-quantized
         got = run_tp(source, tmp_path, k, gpus)
         assert "error" not in got, got.get("error")
         torch.testing.assert_close(got["logits"], ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
         assert torch.equal(got["tokens"], ref_tokens), source
-        out, inp = one.config.hidden_size, one.config.intermediate_size
-        assert got["widths"]["model.layers.0.self_attn.q_proj"][:4] == (out // 2, out, out, out)
-        assert got["widths"]["model.layers.0.mlp.down_proj"][:4] == (out, inp // 2, out, inp)
-        if gpus:  # the shards are held in the tiled layout where it applies
-            assert got["widths"]["model.layers.0.mlp.down_proj"][4] != "bit planes"
+        widths = got["widths"]
+        assert widths["model.layers.0.self_attn.q_proj"][:4] == (hidden // 2, hidden, hidden, hidden)
+        if family == "llama":
+            inter = one.config.intermediate_size
+            assert widths["model.layers.0.mlp.down_proj"][:4] == (hidden, inter // 2, hidden, inter)
+            if gpus:  # a 4096 x 4096 shard is held in the tiled layout
+                assert widths["model.layers.0.mlp.gate_proj"][4] != "bit planes"
+        else:
+            inter = one.model.layers[0].mlp.experts.down_proj_absmax.shape[-1] * 32
+            assert widths["model.layers.0.mlp.experts"] == ({"gate_up_proj": hidden, "down_proj": inter // 2},
+                                                            inter)  # gate_up: half of each of gate and up
         assert "tensor-parallel shard" in got["save_error"] and "tp_plan" in got["save_error"]
 
 
-def test_tensor_parallel_refuses_a_row_split_inside_a_block(tmp_path):
-    # down_proj's 100 inputs (4 blocks, the last padded) cannot split into two halves of whole blocks
-    fp = _dense(tmp_path, intermediate_size=100)
-    got = run_tp(fp, tmp_path, k=4)
-    assert "model.layers.0.mlp.down_proj" in got["error"] and "in_features=100" in got["error"], got["error"]
-    assert "multiple of 64" in got["error"]
-
-
-def test_tensor_parallel_refuses_moe_experts(tmp_path):
-    tiny_model("qwen3_moe", dtype=torch.float32).save_pretrained(tmp_path / "fp")
+@pytest.mark.parametrize("family,overrides,names", [
+    ("llama", dict(intermediate_size=100), ["model.layers.0.mlp.down_proj", "in_features=100", "multiple of 64"]),
+    ("qwen3_moe", dict(moe_intermediate_size=40), ["model.layers.0.mlp.experts.down_proj", "in_features=40"]),
+])
+def test_tensor_parallel_refuses_what_it_cannot_shard(tmp_path, family, overrides, names):
+    """A row-wise split inside a 32-weight block (100 or 40 inputs over two processes): an error that names the
+    layer."""
+    tiny_model(family, dtype=torch.float32, **overrides).save_pretrained(tmp_path / "fp")
     got = run_tp(tmp_path / "fp", tmp_path, k=4)
-    assert "NotImplementedError" in got["error"] and "mlp.experts" in got["error"], got["error"]
+    assert "error" in got, "the load should have failed"
+    for name in names:
+        assert name in got["error"], got["error"]

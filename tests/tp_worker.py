@@ -12,7 +12,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import kbit_hf
-from kbit_hf.modules import KbitLinear
+from kbit_hf.modules import KbitLinear, KbitMoE
+from kbit_hf.tensor_parallel import local_view
 
 
 def main(folder: str, out: str, k: int | None) -> None:
@@ -31,6 +32,8 @@ def main(folder: str, out: str, k: int | None) -> None:
         tokens = model.generate(ids.to(device), max_new_tokens=6, do_sample=False).cpu()
     widths = {name: (m.local_out_features, m.local_in_features, m.out_features, m.in_features, m.layout)
               for name, m in model.named_modules() if isinstance(m, KbitLinear)}
+    widths.update({name: (dict(m.in_features), local_view(m.gate_up_proj_absmax).shape[1] if m.has_gate else None)
+                   for name, m in model.named_modules() if isinstance(m, KbitMoE)})
     try:
         model.save_pretrained(out + ".saved")
         save_error = None
