@@ -57,6 +57,11 @@ SHAPES = {
                                      num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
                                      num_experts_per_tok=2, vocab_size=32000, max_position_embeddings=32768,
                                      rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "gpt-oss-20b": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                                    num_experts_per_tok=4, vocab_size=201088, sliding_window=128,
+                                    max_position_embeddings=131072, attention_bias=True, swiglu_limit=7.0,
+                                    tie_word_embeddings=False)),
     # small shapes for trying the benchmark on a laptop or CPU
     "tiny-llama": ("llama", dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024,
