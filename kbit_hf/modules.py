@@ -89,6 +89,7 @@ class KbitLinear(nn.Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = in_features, out_features
         self.local_in_features, self.local_out_features = in_features, out_features
+        self.is_shard = False  # holds one tensor-parallel shard of the weight (kbit_hf/tensor_parallel.py)
         self.k, self.absmax_format = k, absmax_format
         self._codebook_init = codebook  # used by quantize_param during an on-the-fly load
         for suffix, p in _placeholders((out_features, in_features), k, absmax_format, device, dtype,
@@ -153,6 +154,7 @@ class KbitLinear(nn.Linear):
         return _quantize("weight", value, self._codebook_init, self.k, self.absmax_format)
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        refuse_shard(self, "dequantized_weight")
         dtype = dtype or (self.bias.dtype if self.bias is not None else torch.float32)
         return ops.dequantize(self.weight, self.weight_absmax, self.weight_scale, self.weight_codebook, self.k,
                               self.local_in_features, dtype)
@@ -180,11 +182,6 @@ class KbitLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear_forward(x, self.weight, self.weight_absmax, self.weight_scale, self.weight_codebook,
                                   self.k, self.local_in_features, self.bias)
-
-    @property
-    def is_shard(self) -> bool:
-        """Holds one tensor-parallel shard of the layer, not the whole weight."""
-        return (self.local_in_features, self.local_out_features) != (self.in_features, self.out_features)
 
     def to_linear(self, dtype: torch.dtype) -> nn.Linear:
         refuse_shard(self, "to_linear")
@@ -309,6 +306,7 @@ class KbitMoE(nn.Module):
         return out.to(hidden_states.dtype).view(shape)
 
     def dequantized_weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        refuse_shard(self, "dequantized_weight")
         w = ops.dequantize(getattr(self, name), getattr(self, name + "_absmax"), getattr(self, name + "_scale"),
                            getattr(self, name + "_codebook"), self.k, self.in_features[name], dtype)
         return w.transpose(-1, -2).contiguous() if self.is_transposed else w

@@ -21,7 +21,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.lora.model import LoraModel
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 
-from .modules import KbitLinear, KbitMoE
+from .modules import KbitLinear, KbitMoE, refuse_shard
 
 # init_lora_weights values whose initialisation reads or rewrites the base layer's dense weight
 _BASE_WEIGHT_INITS = ("pissa", "corda", "olora", "mica", "loftq", "orthogonal", "lora_ga")
@@ -117,6 +117,7 @@ def dispatch_kbit(target: torch.nn.Module, adapter_name: str, config, **kwargs) 
                          "indices, which LoRA on a parameter cannot adapt; target the module instead "
                          "(target_modules; fused MoE experts have no LoRA path in kbit yet)")
     if isinstance(base, KbitLinear):
+        refuse_shard(base, "LoRA")  # the adapter's matrices would be the whole layer's, its output a shard's
         if _LAYERS_TAKE_CONFIG:
             return KbitLoraLinear(target, adapter_name, config=config, **kwargs)
         return KbitLoraLinear(target, adapter_name, **kwargs)  # peft < 0.19: the config's fields come in kwargs

@@ -42,59 +42,83 @@ def tp_size(model: nn.Module) -> int:
 
 
 def _styles():
-    from transformers.distributed.tensor_parallel import (ALL_PARALLEL_STYLES, ColwiseParallel,
-                                                          PackedColwiseParallel, RowwiseParallel, TensorParallelLayer)
+    from transformers.distributed import tensor_parallel as tp
 
-    if REPLICATE not in ALL_PARALLEL_STYLES:
-        ALL_PARALLEL_STYLES.register(REPLICATE, TensorParallelLayer())
-    return ALL_PARALLEL_STYLES, ColwiseParallel, RowwiseParallel, PackedColwiseParallel
+    if REPLICATE not in tp.ALL_PARALLEL_STYLES:
+        tp.ALL_PARALLEL_STYLES.register(REPLICATE, tp.TensorParallelLayer())
+    return tp
+
+
+def _plan(model: nn.Module) -> tuple[dict, dict]:
+    """The TP plan transformers will apply, and the dict kbit's entries go into. A user's `tp_plan` dict is merged
+    over the model's plan after this hook runs (transformers >= 5.23), so the entries, written with the merged
+    plan's styles, carry over; before 5.23 the dict replaces the plan wholesale, entries and all."""
+    plan = model.tp_plan
+    override = getattr(getattr(model.config, "distributed_config", None), "tp_plan", None)
+    if not isinstance(override, dict) or not override:
+        return plan, plan
+    if not hasattr(model, "_resolve_parallel_plans"):
+        raise NotImplementedError("kbit's tensor parallel takes tp_plan='auto' on transformers < 5.23: a tp_plan dict "
+                                  "there replaces the plan after the quantizer has added its entries for the packed "
+                                  "tensors' scales (the model's own plan, or a newer transformers, works)")
+    return {**plan, **override}, plan
 
 
 def prepare_plan(model: nn.Module, size: int) -> None:
-    """Check the model's TP plan against its kbit modules and give their companions plan entries (in place, before
-    transformers shards the meta model): block scales follow their weight, the scale and the codebook are
-    replicated."""
-    styles, colwise, rowwise, packed_colwise = _styles()
-    plan = model.tp_plan
+    """Check the TP plan against the model's kbit modules and give their companions plan entries (before transformers
+    shards the meta model): block scales follow their weight, the scale and the codebook are replicated. Styles
+    that leave the weight whole (e.g. `mla_kv_a_proj`) need nothing."""
+    tp = _styles()
+    styles = tp.ALL_PARALLEL_STYLES
+    plan, target = _plan(model)
     for name, module in model.named_modules():
         generic = _generic(name)
+        skip_hint = (f"add {name!r} to modules_to_not_convert (it then stays in full precision and transformers "
+                     "shards it)")
         if isinstance(module, KbitLinear):
             weights = {"weight": (name, module.in_features)}
         elif isinstance(module, KbitMoE):
             ruled = sorted(key for key in plan if key == generic or key.startswith(generic + "."))
             if not ruled:
                 continue
+            rules = ", ".join(f"{key}: {plan[key]}" for key in ruled)
             if module.is_transposed:
-                raise NotImplementedError(
-                    f"kbit cannot shard {name} for tensor parallelism: its experts are stored transposed "
-                    f"({type(module).__name__} of {module._orig_cls.__name__}; TP plan: "
-                    f"{', '.join(f'{key}: {plan[key]}' for key in ruled)}); load it on one GPU, or over several "
-                    "with device_map")
+                raise NotImplementedError(f"kbit cannot shard {name} for tensor parallelism: its experts are stored "
+                                          f"transposed ({module._orig_cls.__name__}; TP plan: {rules}); {skip_hint}")
+            hook = plan.get(generic)
+            if hook is None or type(styles[hook]) is not tp.MoeExpertsParallel:
+                # without transformers' experts hook nobody sums the processes' partial outputs
+                raise NotImplementedError(f"kbit cannot shard {name} for tensor parallelism: the TP plan shards its "
+                                          f"projections without the experts hook 'moe_tp_experts' on the module "
+                                          f"({rules}); {skip_hint}")
             weights = {proj: (f"{name}.{proj}", module.in_features[proj]) for proj in module.quantized_names}
         else:
             continue
         for param, (what, in_features) in weights.items():
             style_name = plan.get(f"{generic}.{param}", plan.get(generic) if isinstance(module, KbitLinear) else None)
-            if style_name is None:
-                if isinstance(module, KbitMoE):  # the experts' hook sums every process's output: all must shard
-                    raise NotImplementedError(f"kbit cannot shard {name} for tensor parallelism: the TP plan has no "
-                                              f"rule for {what} (it needs one for each projection)")
-                continue
-            style = styles[style_name]
-            if type(style) is rowwise:
+            if style_name is None and isinstance(module, KbitMoE):
+                raise NotImplementedError(f"kbit cannot shard {name} for tensor parallelism: the TP plan has no rule "
+                                          f"for {what} (each projection needs one); {skip_hint}")
+            if style_name is None or type(styles[style_name]).shard_param is tp.TensorParallelLayer.shard_param:
+                continue  # the weight stays whole on every process
+            style = type(styles[style_name])
+            if style is tp.RowwiseParallel:
                 if in_features % (BLOCK * size):
                     raise ValueError(
                         f"kbit cannot shard {what} row-wise ({style_name!r}) over {size} processes: in_features="
                         f"{in_features} is not a multiple of {BLOCK * size} (32-weight blocks x {size}), so a shard "
-                        "boundary would split a block; add it to modules_to_not_convert or use another TP size")
-            elif type(style) not in (colwise, packed_colwise):
+                        f"boundary would split a block; {skip_hint}, or use another TP size")
+            elif param == "gate_up_proj" and style is not tp.PackedColwiseParallel:
+                raise NotImplementedError(f"kbit cannot shard {what} with the TP style {style_name!r}: a contiguous "
+                                          "split puts the gate and up halves on different processes "
+                                          f"('packed_colwise' keeps both on each); {skip_hint}")
+            elif style not in (tp.ColwiseParallel, tp.PackedColwiseParallel):
                 raise NotImplementedError(f"kbit cannot shard {what} with the TP style {style_name!r} "
-                                          f"({type(style).__name__}); it shards weights by output rows or by whole "
-                                          "input blocks only: add the layer to modules_to_not_convert")
-            plan.setdefault(f"{generic}.{param}", style_name)
-            plan.setdefault(f"{generic}.{param}_absmax", style_name)
-            for companion in ("_scale", "_codebook"):
-                plan[f"{generic}.{param}{companion}"] = REPLICATE
+                                          f"({style.__name__}): it shards weights by output rows or by whole input "
+                                          f"blocks only; {skip_hint}")
+            entries = {f"{generic}.{param}": style_name, f"{generic}.{param}_absmax": style_name,
+                       f"{generic}.{param}_scale": REPLICATE, f"{generic}.{param}_codebook": REPLICATE}
+            target.update(entries)
 
 
 def _generic(name: str) -> str:
@@ -142,6 +166,7 @@ def localize(model: nn.Module) -> None:
                 setattr(module, "weight" + suffix, _local(getattr(module, "weight" + suffix)))
             module.local_out_features = module.weight_absmax.shape[0]
             module.local_in_features = min(module.in_features, module.weight_absmax.shape[-1] * BLOCK)
+            module.is_shard = True  # on every process alike (the same modules are sharded everywhere)
         elif isinstance(module, KbitMoE):
             names = [n for n in module.quantized_names if hasattr(getattr(module, n + "_absmax"), "to_local")]
             for n in names:

@@ -1,9 +1,11 @@
 """Worker of tests/test_tensor_parallel.py, run by torchrun: load a model with tp_plan="auto", then rank 0 writes
 what the test checks (logits, greedy tokens, the shards' widths, the error of a save) to OUT, or the load's error.
 
-usage: torchrun --nproc-per-node 2 tests/tp_worker.py FOLDER OUT [k]   (k: quantize on the fly with KbitConfig(k))
+usage: torchrun --nproc-per-node 2 tests/tp_worker.py FOLDER OUT [k [PLAN]]
+(k: quantize on the fly with KbitConfig(k), 0: load as saved; PLAN: a JSON file of a tp_plan dict, else "auto")
 """
 
+import json
 import os
 import sys
 
@@ -16,11 +18,12 @@ from kbit_hf.modules import KbitLinear, KbitMoE
 from kbit_hf.tensor_parallel import local_view
 
 
-def main(folder: str, out: str, k: int | None) -> None:
+def main(folder: str, out: str, k: int | None, plan_file: str | None) -> None:
     rank = int(os.environ["RANK"])
     kw = {"quantization_config": kbit_hf.KbitConfig(k=k)} if k else {}
+    plan = json.load(open(plan_file)) if plan_file else "auto"
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32, **kw)
+        model = AutoModelForCausalLM.from_pretrained(folder, tp_plan=plan, dtype=torch.float32, **kw)
     except Exception as e:  # the test checks the message
         if rank == 0:
             torch.save({"error": f"{type(e).__name__}: {e}"}, out)
@@ -44,7 +47,8 @@ def main(folder: str, out: str, k: int | None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None,
+         sys.argv[4] if len(sys.argv) > 4 else None)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
