@@ -43,6 +43,11 @@ def _placeholders(shape_oi: tuple[int, ...], k: int, absmax_format: str, device,
     }
 
 
+def local_view(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a tensor-parallel DTensor (the tensor itself otherwise)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def refuse_shard(module: nn.Module, what: str) -> None:
     """What needs a kbit module's whole weights (saving, dequantizing, merging) is refused on a tensor-parallel
     shard: saved under the whole layer's name, a shard would be a corrupt checkpoint."""
@@ -148,7 +153,7 @@ class KbitLinear(nn.Linear):
         if name != "weight":
             raise ValueError(f"KbitLinear only quantizes 'weight', not {name!r}")
         # under tensor parallelism the loader hands over this process's shard, the shape of the placeholder's
-        expected = tuple(getattr(self.weight, "_local_tensor", self.weight).shape)
+        expected = tuple(local_view(self.weight).shape)
         if tuple(value.shape) != expected:
             raise ValueError(f"checkpoint weight has shape {tuple(value.shape)}, the layer expects {expected}")
         return _quantize("weight", value, self._codebook_init, self.k, self.absmax_format)
@@ -184,7 +189,6 @@ class KbitLinear(nn.Linear):
                                   self.k, self.local_in_features, self.bias)
 
     def to_linear(self, dtype: torch.dtype) -> nn.Linear:
-        refuse_shard(self, "to_linear")
         layer = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta", dtype=dtype)
         layer.weight = nn.Parameter(self.dequantized_weight(dtype), requires_grad=False)
         if self.bias is not None:
@@ -261,7 +265,7 @@ class KbitMoE(nn.Module):
         if name not in self.quantized_names:
             raise ValueError(f"KbitMoE quantizes {self.quantized_names}, not {name!r}")
         # under tensor parallelism the loader hands over this process's shard, the shape of the placeholder's
-        expected = tuple(getattr(getattr(self, name), "_local_tensor", getattr(self, name)).shape)
+        expected = tuple(local_view(getattr(self, name)).shape)
         if tuple(value.shape) != expected:
             raise ValueError(f"checkpoint {name} has shape {tuple(value.shape)}, the experts expect {expected}")
         weight_oi = value.transpose(-1, -2) if self.is_transposed else value
@@ -313,7 +317,6 @@ class KbitMoE(nn.Module):
 
     def to_experts(self, dtype: torch.dtype) -> nn.Module:
         """The original experts class with dequantized float weights."""
-        refuse_shard(self, "to_experts")
         with torch.device("meta"):
             experts = self._orig_cls(self.config)
         for name, _ in list(experts.named_parameters(recurse=False)):

@@ -20,7 +20,7 @@ from transformers.utils import logging
 from . import format as fmt
 from . import tensor_parallel
 from .config import KbitConfig, matches_module
-from .modules import COMPANIONS, KbitLinear, KbitMoE, is_fused_experts, refuse_shard
+from .modules import COMPANIONS, KbitLinear, KbitMoE, is_fused_experts, local_view, refuse_shard
 
 logger = logging.get_logger(__name__)
 
@@ -201,14 +201,14 @@ class KbitHfQuantizer(HfQuantizer):
             elif isinstance(module, KbitMoE):
                 items = []
                 for name in module.quantized_names:
-                    e, out_dim = tensor_parallel.local_view(getattr(module, name + "_absmax")).shape[:2]
+                    e, out_dim = local_view(getattr(module, name + "_absmax")).shape[:2]
                     items.append((name, (e, out_dim, module.in_features[name])))
             else:
                 continue
             for name, shape_oi in items:
                 expected = fmt.packed_shapes(shape_oi, k)
                 params = {s: getattr(module, name + s) for s in ("",) + COMPANIONS}
-                got = {s: tensor_parallel.local_view(p) for s, p in params.items()}  # a TP shard: its local part
+                got = {s: local_view(p) for s, p in params.items()}  # a TP shard: its local part
                 want = {"": (expected["packed"], torch.uint32), "_absmax": (expected["absmax"], absmax_dtype),
                         "_scale": (expected["scale"], torch.float32),
                         "_codebook": (expected["codebook"], torch.float32)}

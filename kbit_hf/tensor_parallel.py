@@ -1,4 +1,4 @@
-"""Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun) for KbitLinear layers.
+"""Tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun) for KbitLinear and KbitMoE.
 
 transformers shards each parameter named by the model's TP plan as a DTensor before the weights load, and its
 column- and row-wise hooks all-gather or all-reduce around each layer's local forward. For a kbit layer:
@@ -15,13 +15,11 @@ transposed (gpt-oss), expert parallelism, FSDP and pipeline parallelism are refu
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
 from .format import BLOCK
-from .modules import COMPANIONS, KbitLinear, KbitMoE
+from .modules import COMPANIONS, KbitLinear, KbitMoE, local_view
 
 REPLICATE = "replicate"  # the no-op style (transformers >= 5.23 has it; older versions get it registered here)
 
@@ -72,7 +70,7 @@ def prepare_plan(model: nn.Module, size: int) -> None:
     styles = tp.ALL_PARALLEL_STYLES
     plan, target = _plan(model)
     for name, module in model.named_modules():
-        generic = _generic(name)
+        generic = tp.replace_layer_number_by_wildcard(name)  # model.layers.3.mlp -> model.layers.*.mlp
         skip_hint = (f"add {name!r} to modules_to_not_convert (it then stays in full precision and transformers "
                      "shards it)")
         if isinstance(module, KbitLinear):
@@ -121,22 +119,11 @@ def prepare_plan(model: nn.Module, size: int) -> None:
             target.update(entries)
 
 
-def _generic(name: str) -> str:
-    """A module name as TP plans spell it: layer numbers as `*` (model.layers.3.mlp -> model.layers.*.mlp)."""
-    return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
-
-
 def _local(p: torch.Tensor) -> nn.Parameter:
-    local = p.to_local() if hasattr(p, "to_local") else p.data
-    out = nn.Parameter(local, requires_grad=False)
+    out = nn.Parameter(local_view(p).detach(), requires_grad=False)
     if getattr(p, "_is_hf_initialized", False):
         out._is_hf_initialized = True
     return out
-
-
-def local_view(t: torch.Tensor) -> torch.Tensor:
-    """This process's part of a DTensor (the tensor itself otherwise)."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _packed_dtensor(packed: torch.Tensor, absmax: torch.Tensor, k: int) -> nn.Parameter:
@@ -168,9 +155,9 @@ def localize(model: nn.Module) -> None:
             module.local_in_features = min(module.in_features, module.weight_absmax.shape[-1] * BLOCK)
             module.is_shard = True  # on every process alike (the same modules are sharded everywhere)
         elif isinstance(module, KbitMoE):
-            names = [n for n in module.quantized_names if hasattr(getattr(module, n + "_absmax"), "to_local")]
-            for n in names:
+            for n in module.quantized_names:
                 absmax = getattr(module, n + "_absmax")
-                setattr(module, n, _packed_dtensor(getattr(module, n), absmax, module.k))
-                module.in_features[n] = min(module.in_features[n], absmax.to_local().shape[-1] * BLOCK)
-            module.is_shard = module.is_shard or bool(names)
+                if hasattr(absmax, "to_local"):
+                    setattr(module, n, _packed_dtensor(getattr(module, n), absmax, module.k))
+                    module.in_features[n] = min(module.in_features[n], absmax.to_local().shape[-1] * BLOCK)
+                    module.is_shard = True

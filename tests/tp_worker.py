@@ -14,8 +14,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import kbit_hf
-from kbit_hf.modules import KbitLinear, KbitMoE
-from kbit_hf.tensor_parallel import local_view
+from kbit_hf.modules import KbitLinear, KbitMoE, local_view
 
 
 def main(folder: str, out: str, k: int | None, plan_file: str | None) -> None:

@@ -472,12 +472,13 @@ def run(args) -> int:
     else:
         t = time.perf_counter()
         print(f"writing / reusing the random-weight checkpoint of {args.model} under {args.workdir} ...", flush=True)
-        tp = torch.distributed.is_initialized()
-        if _rank() == 0:
+        writer = _rank() == 0
+        if writer:
             folder = ensure_checkpoint(args.model, args.layers, args.workdir, str(device))
-        if tp:  # the other processes of a tensor-parallel run find what rank 0 wrote
-            torch.distributed.barrier()
-            folder = ensure_checkpoint(args.model, args.layers, args.workdir, str(device))
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # the other processes of a tensor-parallel run find what rank 0 wrote
+            if not writer:
+                folder = ensure_checkpoint(args.model, args.layers, args.workdir, str(device))
         model_name = os.path.basename(folder)
         print(f"checkpoint ready: {folder} ({time.perf_counter() - t:.0f} s)", flush=True)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
