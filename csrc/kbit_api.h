@@ -96,6 +96,18 @@ KBIT_API int kbit_gemm_tiled(const void* x, int x_dtype, int64_t M, const void* 
                              const float* codebook, int k, int64_t out, int64_t in, const void* bias, void* y,
                              void* workspace, int64_t workspace_bytes, void* stream);
 
+/* Grouped expert GEMM on the tensor cores for many rows per expert: y[n, o] = x[n] @ W[ids[n]]^T, rows with ids outside
+ * [0, E) are zero; the bit planes as kbit_expert_gemv reads them; x/y float16 or bfloat16, x 16-byte aligned, in a
+ * multiple of 128, fp32 accumulation; compute capability 9.0 only (cudaErrorNotSupported elsewhere). Sorts and gathers
+ * the rows on the device (no host sync) in a workspace of kbit_expert_gemm_workspace(N, E, in) bytes, 256-byte
+ * aligned. */
+KBIT_API int kbit_expert_gemm_available(void);
+KBIT_API int64_t kbit_expert_gemm_workspace(int64_t N, int64_t E, int64_t in);
+KBIT_API int kbit_expert_gemm(const void* x, int x_dtype, int64_t N, const int64_t* ids, int64_t E,
+                              const uint32_t* packed, const void* absmax, int absmax_fp16, const float* scale,
+                              const float* codebook, int k, int64_t out, int64_t in, void* y, void* workspace,
+                              int64_t workspace_bytes, void* stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -41,6 +41,47 @@ inline int grid_for_threads(int64_t threads_needed, int threads = 256, int block
   return (int)blocks;
 }
 
+
+// ---- grouped experts: rows sorted by expert (kbit_gemv.cu) ----
+// Counting sort of N rows by expert id on the device (one CTA, no host sync): order [N] lists the rows bucket by
+// bucket, offsets [E + 2] the buckets' starts (bucket E: ids outside [0, E)), offsets[E + 1] = N. E <= 8192.
+void expert_route(const int64_t* ids, int64_t N, int64_t E, int* order, int* offsets, cudaStream_t st);
+
+// Grouped experts (the expert GEMV's grouped mode, the expert GEMM), one warp: work item w -> (bucket, first sorted row, rows) in item[0..2]. Each bucket's rows are cut
+// into chunks of at most mt, numbered bucket by bucket; item[2] = 0 past the last one.
+__device__ __forceinline__ void find_item(const int* __restrict__ offsets, int buckets, int mt, int w, int lane,
+                                          int* item) {
+  int base = 0;
+  for (int b0 = 0; b0 < buckets; b0 += 32) {
+    const int b = b0 + lane;
+    int off = 0, n = 0;
+    if (b < buckets) {
+      off = offsets[b];
+      n = offsets[b + 1] - off;
+    }
+    const int c = (n + mt - 1) / mt;
+    int s = c;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int t = __shfl_up_sync(0xFFFFFFFFu, s, d);
+      if (lane >= d) s += t;
+    }
+    const int first = base + s - c;
+    const unsigned hit = __ballot_sync(0xFFFFFFFFu, c > 0 && w >= first && w < first + c);
+    if (hit) {
+      if (lane == __ffs(hit) - 1) {
+        const int ch = w - first;
+        item[0] = b;
+        item[1] = off + ch * mt;
+        item[2] = min(mt, n - ch * mt);
+      }
+      return;
+    }
+    base += __shfl_sync(0xFFFFFFFFu, s, 31);
+  }
+  if (lane == 0) item[2] = 0;
+}
+
 // ---- dtypes shared with the C ABI ----
 enum DType : int { F32 = 0, F16 = 1, BF16 = 2 };
 
@@ -214,6 +255,16 @@ template <> struct Mma<__half> {
   static constexpr float PRE = 16.0f;
   static constexpr float POST = 1.0f / 256.0f;
 };
+
+// block scale code -> d * PRE as a packed pair in the activation dtype
+template <typename T>
+__device__ __forceinline__ uint32_t scale_pair(uint32_t sc, int fp16) {
+  float d;
+  if (fp16) d = __half2float(__ushort_as_half((unsigned short)sc));
+  else d = e4m4_decode_fast(sc);
+  d *= Mma<T>::PRE;
+  return Mma<T>::pack(d, d);
+}
 
 // PRMT (byte permute). Selector nibbles must have bit 3 clear (PRMT's sign-replicate mode); only bits 0..15 count.
 __host__ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {

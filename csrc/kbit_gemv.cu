@@ -263,16 +263,6 @@ __device__ __forceinline__ void load_block(const uint32_t* __restrict__ wb, uint
   else sc = __ldcs(reinterpret_cast<const unsigned char*>(ab) + ia);
 }
 
-// block scale code -> d * PRE as a packed pair in the activation dtype
-template <typename T>
-__device__ __forceinline__ uint32_t scale_pair(uint32_t sc, int fp16) {
-  float d;
-  if (fp16) d = __half2float(__ushort_as_half((unsigned short)sc));
-  else d = e4m4_decode_fast(sc);
-  d *= Mma<T>::PRE;
-  return Mma<T>::pack(d, d);
-}
-
 // N pairs of activations of one token from element c0 on: xw[i] = elements (c0 + 2i, c0 + 2i + 1) (N = 16: a whole
 // block, 8: a half); on == false: zeros. CHECK: element-wise bounds (and any alignment), else 16-byte loads.
 template <typename T, bool CHECK, int N>
@@ -556,41 +546,6 @@ __global__ void __launch_bounds__(1024) expert_route_kernel(const int64_t* __res
   }
   if (tid == 0) offsets[E + 1] = N;
   for (int i = tid; i < N; i += nt) order[atomicAdd(&cursor[expert_bucket(ids[i], E)], 1)] = i;
-}
-
-// Grouped mode, one warp: work item w -> (bucket, first sorted row, rows) in item[0..2]. Each bucket's rows are cut
-// into chunks of at most mt, numbered bucket by bucket; item[2] = 0 past the last one.
-__device__ __forceinline__ void find_item(const int* __restrict__ offsets, int buckets, int mt, int w, int lane,
-                                          int* item) {
-  int base = 0;
-  for (int b0 = 0; b0 < buckets; b0 += 32) {
-    const int b = b0 + lane;
-    int off = 0, n = 0;
-    if (b < buckets) {
-      off = offsets[b];
-      n = offsets[b + 1] - off;
-    }
-    const int c = (n + mt - 1) / mt;
-    int s = c;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int t = __shfl_up_sync(0xFFFFFFFFu, s, d);
-      if (lane >= d) s += t;
-    }
-    const int first = base + s - c;
-    const unsigned hit = __ballot_sync(0xFFFFFFFFu, c > 0 && w >= first && w < first + c);
-    if (hit) {
-      if (lane == __ffs(hit) - 1) {
-        const int ch = w - first;
-        item[0] = b;
-        item[1] = off + ch * mt;
-        item[2] = min(mt, n - ch * mt);
-      }
-      return;
-    }
-    base += __shfl_sync(0xFFFFFFFFu, s, 31);
-  }
-  if (lane == 0) item[2] = 0;
 }
 
 // x rows: x + m * in (m < M), y rows y + m * out; expert modes: ExpertRows.
@@ -914,7 +869,7 @@ int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, c
   if (N > 0x7FFFFFFF || E > EXPERT_GROUPED_MAX_E) return (int)cudaErrorInvalidValue;
   int* order = work;
   int* offsets = work + N;
-  expert_route_kernel<<<1, 1024, (size_t)(E + 1) * sizeof(int), st>>>(ids, (int)N, (int)E, order, offsets);
+  expert_route(ids, N, E, order, offsets, st);
   const int64_t mt = expert_item_rows(N, E);
   // work items: each non-empty bucket's last chunk may be partial
   const int64_t chunks = (N + mt - 1) / mt, items = chunks + (E + 1 < N ? E + 1 : N);
@@ -948,6 +903,12 @@ int dispatch(int x_dtype, int k, int64_t M, const void* x, int64_t N, const int6
 }
 
 }  // namespace
+
+namespace kbit {
+void expert_route(const int64_t* ids, int64_t N, int64_t E, int* order, int* offsets, cudaStream_t st) {
+  expert_route_kernel<<<1, 1024, (size_t)(E + 1) * sizeof(int), st>>>(ids, (int)N, (int)E, order, offsets);
+}
+}  // namespace kbit
 
 extern "C" {
 

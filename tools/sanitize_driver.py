@@ -4,7 +4,8 @@
     PYTHONPATH=. compute-sanitizer --tool racecheck --error-exitcode 1 python tools/sanitize_driver.py --sync
 
 Bit planes (K = 2..5, both block-scale formats): quantize, dequantize, the fused GEMV (M <= 8, the token tiles up to
-M = 64, the folded 8-row tiles), dequantize + cuBLAS (M = 65), the per-row expert GEMV and the grouped expert path.
+M = 64, the folded 8-row tiles), dequantize + cuBLAS (M = 65), the per-row expert GEMV, the grouped expert path and
+(on sm_90) the grouped expert GEMM.
 Tiled layout (K = 2..5, e4m4): tile, untile, dequantize, and on sm_90 the tiled GEMV and GEMM, the library's choice
 through kernels.linear and every GEMV variant of kernels.TILED_KERNELS forced through kernels.linear_out. Prints the calls per
 family; the sanitizer's exit code says whether any of them misbehaved. Arguments narrow the run (--help). Under
@@ -77,11 +78,25 @@ def bit_planes(calls: Counter, ks) -> None:
                 ids = torch.randint(-1, shape[0] + 1, (n,), device="cuda")
                 kernels.expert_linear(x, ids, p, a, s, cb, k, shape[-1], kernel="grouped")
                 calls["expert gemv, grouped"] += 1
+            if dispatch.expert_gemm_runs_on(torch.cuda.current_device()):
+                _expert_gemm(calls, k, cb, af)
             if af == "e4m4":  # the per-expert loop (dequantize + cuBLAS)
                 x = torch.randn(70, shape[-1], device="cuda", dtype=torch.float32)
                 ids = torch.randint(-1, shape[0] + 1, (70,), device="cuda")
                 kernels.expert_linear(x, ids, p, a, s, cb, k, shape[-1])
                 calls["expert linear, per-expert loop"] += 1
+
+
+def _expert_gemm(calls: Counter, k, cb, af) -> None:
+    """The grouped expert GEMM (sm_90a): 40 rows (a partial 128-row CTA and 16-row tile), 3 groups of k, 64 / 128 /
+    256 rows per work item, ids outside [0, E)."""
+    E, out_f, in_f = 3, 40, 384
+    p, a, s = kernels.quantize(torch.randn(E, out_f, in_f, device="cuda"), cb, k, af)
+    for xdt, n in itertools.product(X_DTYPES, (70, 300, 700)):
+        x = torch.randn(n, in_f, device="cuda", dtype=xdt)
+        ids = torch.randint(-1, E + 1, (n,), device="cuda")
+        kernels.expert_linear(x, ids, p, a, s, cb, k, in_f, kernel="gemm")
+        calls["expert gemm"] += 1
 
 
 def tiled(calls: Counter, ks, variants=None) -> None:

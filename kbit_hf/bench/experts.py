@@ -6,7 +6,8 @@ top-k and widths only.
 Each figure is a CUDA graph of the whole block replayed (bench.kernels' method); the weights of one layer already
 exceed 4x the L2 size for the shapes here, so every call reads them from DRAM. kbit runs KbitMoE's forward with the
 library's choice of expert path ("kbit"), and the same block with each path forced: the library's per-row and grouped
-kernels, and every expert dequantized to bf16 followed by torch._grouped_mm ("dq+gmm").
+GEMV kernels, its grouped tensor-core GEMM ("gemm"), and every expert dequantized to bf16 followed by
+torch._grouped_mm ("dq+gmm").
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ def _measure(name: str, tokens: list[int], k: int, repeats: int) -> list[dict]:
             if T * topk <= PER_ROW_MAX_N:
                 row["per_row"] = _time_graph([lambda: _kbit_block(moe, x, ids, weights, "per_row")], repeats)
             row["grouped"] = _time_graph([lambda: _kbit_block(moe, x, ids, weights, "grouped")], repeats)
+            if T * topk >= E and dispatch.expert_gemm_runs_on(torch.cuda.current_device()):
+                row["gemm"] = _time_graph([lambda: _kbit_block(moe, x, ids, weights, "gemm")], repeats)
             if dispatch.grouped_mm_runs_on(torch.cuda.current_device()):
                 row["grouped_mm"] = _time_graph([lambda: _kbit_block(moe, x, ids, weights, "grouped_mm")], repeats)
         row["ratio"] = row["bf16"] / row["kbit"]
@@ -116,7 +119,7 @@ def _measure(name: str, tokens: list[int], k: int, repeats: int) -> list[dict]:
         def f(key):
             return f"{row[key]:9.1f}" if key in row else f"{'-':>9}"
 
-        print(f"{name:>14} {T:6d} {f('bf16')} {f('kbit')} {f('per_row')} {f('grouped')} {f('grouped_mm')}  "
+        print(f"{name:>14} {T:6d} {f('bf16')} {f('kbit')} {f('per_row')} {f('grouped')} {f('gemm')} {f('grouped_mm')}  "
               f"{row['ratio']:.2f}", flush=True)
     return rows
 
@@ -129,7 +132,8 @@ def run(args) -> int:
     tokens = [int(t) for t in args.tokens.split(",")]
     report = {"device": torch.cuda.get_device_name(), "k": args.k, "torch": torch.__version__, "rows": []}
     print(f"{report['device']}, K = {args.k}: one experts block, microseconds")
-    print(f"{'shape':>14} {'T':>6} {'bf16':>9} {'kbit':>9} {'per-row':>9} {'grouped':>9} {'dq+gmm':>9}  bf16/kbit")
+    print(f"{'shape':>14} {'T':>6} {'bf16':>9} {'kbit':>9} {'per-row':>9} {'grouped':>9} {'gemm':>9} {'dq+gmm':>9}  "
+          "bf16/kbit")
     for name in args.shapes.split(","):
         report["rows"] += _measure(name, tokens, args.k, args.repeats)
         torch.cuda.empty_cache()

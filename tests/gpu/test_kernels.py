@@ -290,6 +290,56 @@ def test_expert_linear(k, dtype, N, path, shape):
         _assert_linear_close(yy[valid.cuda()], ref[valid], mag[valid], dtype, rel_w=rel_w)
 
 
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("N", (1, 65, 127, 128, 1000, 4096))
+@pytest.mark.parametrize("shape", ((40, 384), (136, 2816), (256, 1024)), ids=str)
+def test_expert_gemm(k, dtype, N, shape):
+    """The grouped tensor-core expert GEMM against the fp64 reference: `out` not a multiple of the 128-row CTA (40,
+    136) nor of 16 (40), `in` an odd number of 128-element groups (384, 2816), fp16 block scales (2816), an expert
+    with no rows, one expert with most rows, ids outside [0, E) (zero rows), 64, 128 and 256 rows per work item. The
+    output is poisoned before the call."""
+    if not dispatch.expert_gemm_runs_on(0):
+        pytest.skip("the expert GEMM needs compute capability 9.0 and sm_90a code")
+    E, (out_f, in_f) = 6, shape
+    cb = fmt.nf_codebook(k)
+    g = torch.Generator().manual_seed(N * 7 + k + out_f)
+    w = torch.randn(E, out_f, in_f, generator=g)
+    p, a, s = reference.quantize(w, cb, k, "fp16" if in_f == 2816 else "e4m4")
+    s = s * torch.rand(E, generator=g).add(0.5)  # a distinct tensor scale per expert
+    x = torch.randn(N, in_f, generator=g).to(dtype)
+    ids = torch.randint(-1, E + 1, (N,), generator=g)  # includes -1 and E (EP sentinels)
+    ids[ids == 3] = 4  # an expert with no rows
+    if N >= 128:
+        ids[: N // 2] = 1  # an expert with most rows (several work items)
+    torch.empty(N * out_f * 4, dtype=torch.uint8, device="cuda").fill_(0xFF)
+    y = kernels.expert_linear(x.cuda(), ids.cuda(), p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, in_f, kernel="gemm")
+    wd = reference.dequantize(p, a, s, cb, k, in_f, torch.float32).double()
+    ref, mag = torch.zeros(N, out_f, dtype=torch.float64), torch.zeros(N, out_f, dtype=torch.float64)
+    for e in range(E):
+        rows = ids == e
+        ref[rows] = x[rows].double() @ wd[e].T
+        mag[rows] = x[rows].double().abs() @ wd[e].abs().T
+    valid = (ids >= 0) & (ids < E)
+    assert bool((y[~valid.cuda()] == 0).all())
+    _assert_linear_close(y[valid.cuda()], ref[valid], mag[valid], dtype, rel_w=GEMV_REL_W[dtype])
+
+
+def test_expert_gemm_refuses_bad_input():
+    """Shapes the GEMM does not take are refused with the reason, not computed wrong."""
+    if not dispatch.expert_gemm_runs_on(0):
+        pytest.skip("the expert GEMM needs compute capability 9.0 and sm_90a code")
+    k, E, out_f, in_f = 4, 2, 32, 192
+    cb = fmt.nf_codebook(k).cuda()
+    p, a, s = kernels.quantize(torch.randn(E, out_f, in_f, device="cuda"), cb, k, "e4m4")
+    x = torch.randn(70, in_f, device="cuda", dtype=torch.bfloat16)
+    ids = torch.zeros(70, dtype=torch.int64, device="cuda")
+    with pytest.raises(ValueError, match="in_features=192"):
+        kernels.expert_linear(x, ids, p, a, s, cb, k, in_f, kernel="gemm")
+    with pytest.raises(ValueError, match="torch.float32"):
+        kernels.expert_linear(x.float(), ids, p, a, s, cb, k, in_f, kernel="gemm")
+
+
 @pytest.mark.parametrize("N", (9, 70, 300))
 def test_expert_linear_grouped_rows_independent_of_order(N):
     """The grouped kernel's sort leaves the rows of one expert in any order, so the rows sharing a work item vary; a
@@ -323,12 +373,14 @@ def test_expert_linear_grouped_many_experts(N):
     assert torch.equal(y, y1)
 
 
-@pytest.mark.parametrize("path", ("per_row", "grouped", "grouped_mm"))
+@pytest.mark.parametrize("path", ("per_row", "grouped", "gemm", "grouped_mm"))
 def test_expert_linear_in_a_cuda_graph(path):
     """Every expert path captures (no host sync) and, replayed on new routing and activations, matches eager: the
-    grouped kernel's sort and the grouped_mm path's offsets are recomputed on the device at every replay."""
+    grouped kernels' sort and the grouped_mm path's offsets are recomputed on the device at every replay."""
     if path == "grouped_mm" and not dispatch.grouped_mm_runs_on(0):
         pytest.skip("torch._grouped_mm needs compute capability >= 9.0")
+    if path == "gemm" and not dispatch.expert_gemm_runs_on(0):
+        pytest.skip("the expert GEMM needs compute capability 9.0 and sm_90a code")
     k, E, out_f, in_f, N = 4, 5, 64, 256, 200
     cb = fmt.nf_codebook(k).cuda()
     p, a, s = kernels.quantize(torch.randn(E, out_f, in_f, device="cuda"), cb, k, "e4m4")

@@ -95,8 +95,34 @@ def linear_uses_gemm(M: int, dtype: torch.dtype, out_features: int, in_features:
 EXPERT_GROUPED_MM_MIN_ROWS = 96
 
 
+# The library's grouped expert GEMM (tensor cores) from EXPERT_GEMM_MIN_ROWS rows per expert on average.
+EXPERT_GEMM_MIN_ROWS = 16
+
+
+def expert_gemm_fits(in_features: int) -> bool:
+    return in_features % 128 == 0  # the kernel decodes groups of 4 blocks
+
+
+_expert_gemm: dict[int, bool] = {}
+
+
+def expert_gemm_runs_on(index: int) -> bool:
+    """The grouped expert GEMM runs on CUDA device `index` (compute capability 9.0, sm_90a code). Cached."""
+    ok = _expert_gemm.get(index)
+    if ok is None:
+        ok = library.lib is not None and torch.cuda.get_device_capability(index) == (9, 0)
+        if ok:
+            with torch.cuda.device(index):
+                ok = library.lib.kbit_expert_gemm_available() == 1
+        _expert_gemm[index] = ok
+    return ok
+
+
 def expert_linear_path(N: int, E: int, out_features: int, in_features: int, dtype: torch.dtype, index: int) -> str:
-    """"grouped_mm", "kernel" or "loop" (see the table above)."""
+    """"gemm", "grouped_mm", "kernel" or "loop" (see the table above)."""
+    if (dtype in GEMV_DTYPES and N >= EXPERT_GEMM_MIN_ROWS * E and expert_gemm_fits(in_features)
+            and expert_gemm_runs_on(index)):
+        return "gemm"
     if (dtype == torch.bfloat16 and N >= EXPERT_GROUPED_MM_MIN_ROWS * E and out_features % 8 == 0
             and in_features % 8 == 0 and grouped_mm_runs_on(index)):
         return "grouped_mm"

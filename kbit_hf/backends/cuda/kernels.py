@@ -308,7 +308,8 @@ EXPERT_KERNELS = {"per_row": 1, "grouped": 2}  # csrc/kbit_api.h KBIT_EXPERT_* (
 
 def expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features, kernel: str = "auto"):
     """Row r = x[r] @ W[expert_ids[r]]^T; ids outside [0, E) give zero rows. `kernel` forces a path (tests,
-    benchmarks): "per_row" / "grouped" (the library's kernels), "grouped_mm", "loop"; "auto": dispatch.py's choice,
+    benchmarks): "per_row" / "grouped" (the library's GEMV kernels), "gemm" (its grouped tensor-core GEMM), "grouped_mm",
+    "loop"; "auto": dispatch.py's choice,
     and the library's between its kernels."""
     _need("expert_linear", x, packed, absmax, scale)
     N = x.shape[0]
@@ -316,13 +317,15 @@ def expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features
     fmt.check_k(k)
     if N == 0:
         return x.new_zeros((0, out_f))
-    if kernel not in ("auto", "grouped_mm", "loop", *EXPERT_KERNELS):
-        raise ValueError(f"expert_linear: kernel must be auto, per_row, grouped, grouped_mm or loop, got {kernel!r}")
+    if kernel not in ("auto", "gemm", "grouped_mm", "loop", *EXPERT_KERNELS):
+        raise ValueError(f"expert_linear: kernel must be auto, per_row, grouped, gemm, grouped_mm or loop, got {kernel!r}")
     path = kernel
     if kernel == "auto":
         path = dispatch.expert_linear_path(N, E, out_f, in_features, x.dtype, x.get_device())
     elif kernel in EXPERT_KERNELS:
         path = "kernel"
+    if path == "gemm":
+        return _expert_gemm(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
     if path == "grouped_mm":
         return _expert_grouped_mm(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
     if path == "loop":
@@ -343,6 +346,29 @@ def expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features
                                                  ws.data_ptr(), ws_bytes, EXPERT_KERNELS.get(kernel, 0),
                                                  stream_of(dev))
     check(rc, "expert gemv")
+    return y
+
+
+def _expert_gemm(x, expert_ids, packed, absmax, scale, codebook, k, in_features):
+    """The library's grouped expert GEMM (tensor cores, sm_90a): rows sorted and gathered by expert on the device."""
+    if x.dtype not in dispatch.GEMV_DTYPES or not dispatch.expert_gemm_fits(in_features) \
+            or not dispatch.expert_gemm_runs_on(x.get_device()):
+        raise ValueError(f"expert_linear: the expert GEMM takes fp16 / bf16 x, in_features a multiple of 128 and a "
+                         f"compute capability 9.0 GPU; got {x.dtype}, in_features={in_features} on {x.device}")
+    _check_shapes(packed, absmax, scale, k, in_features)
+    N, E, out_f = x.shape[0], packed.shape[0], packed.shape[1]
+    x = x.contiguous()
+    dev = x.device
+    ids = expert_ids.to(device=dev, dtype=torch.int64).contiguous()
+    y = torch.empty((N, out_f), dtype=x.dtype, device=dev)
+    ws_bytes = library.lib.kbit_expert_gemm_workspace(N, E, in_features)
+    ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev)  # the sorted rows and their activations
+    packed, absmax, scale, cb = packed.contiguous(), absmax.contiguous(), scale.contiguous(), _cb(codebook, dev, k)
+    with on_device(dev):
+        rc = library.lib.kbit_expert_gemm(x.data_ptr(), DTYPE_CODE[x.dtype], N, ids.data_ptr(), E, packed.data_ptr(),
+                                          absmax.data_ptr(), _absmax_fp16(absmax), scale.data_ptr(), cb.data_ptr(), k,
+                                          out_f, in_features, y.data_ptr(), ws.data_ptr(), ws_bytes, stream_of(dev))
+    check(rc, "expert gemm")
     return y
 
 

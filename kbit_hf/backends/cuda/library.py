@@ -15,7 +15,7 @@ import torch
 from ..ctypes_library import I32 as _i32, I64 as _i64, LIB_DIR, PTR as _vp, open_library
 
 # csrc/kbit_quant.cu kbit_abi_version(): a library built from other sources is refused
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -35,8 +35,11 @@ _SIGNATURES = {
     "kbit_gemm_tiled_workspace": [_i64, _i64, _i64],
     "kbit_gemm_tiled_available": [],
     "kbit_gemm_tiled": [_vp, _i32, _i64, _vp, _vp, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _vp, _i64, _vp],
+    "kbit_expert_gemm_available": [],
+    "kbit_expert_gemm_workspace": [_i64, _i64, _i64],
+    "kbit_expert_gemm": [_vp, _i32, _i64, _vp, _i64, _vp, _vp, _i32, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _i64, _vp],
 }
-_RESTYPES = {"kbit_gemm_tiled_workspace": _i64, "kbit_expert_gemv_workspace": _i64}  # the others return an int status
+_RESTYPES = {"kbit_gemm_tiled_workspace": _i64, "kbit_expert_gemv_workspace": _i64, "kbit_expert_gemm_workspace": _i64}  # the others return an int status
 
 lib = None
 _load_error: str | None = None
