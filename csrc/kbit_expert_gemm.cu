@@ -10,15 +10,16 @@
 //   16 w + 15 of the 128) and a producer warpgroup, one lane of which fills EG_STAGES stages of 32 KB with TMA boxes
 //   of 64 k x BN rows (128-byte swizzle, wgmma's K-major layout; rows past N are zero-filled, rows of the next expert
 //   are computed and never stored).
-// - Decode, from the bit planes straight into wgmma's A fragment (the m16n8k16 one per warp): lane 4 g + q holds,
-//   per 32-element block, the element pairs (8 B + 2 q, 8 B + 2 q + 1), B = 0..3, of rows g and g + 8, which is
-//   register a[B / 2][2 (B & 1) + row] of the block's two k16 slices. Rotating plane j left by 2 j - 2 q and keeping
-//   bits 2 j, 2 j + 1 of each byte gathers the K planes of those pairs into one word whose byte B is pair B's 2K-bit
-//   index (K = 5: 16-bit fields, two words). One PRMT of that byte with the lane's table offset is the address of a
-//   conflict-free lookup in a pair table of (cb[even index bits], cb[odd]) x PRE, 32 replicas 256 bytes apart per
-//   entry (K = 5: a shift and a mask, 16 replicas); one HMUL2 applies the block scale. The four lanes of a quad load
-//   the same K words of their two rows (one request), a group of 4 blocks one group ahead, in two register sets that
-//   alternate by group; a group's wgmmas run while the next block is decoded (wgmma.wait_group 1).
+// - Decode, from the bit planes straight into wgmma's A fragment (the m16n8k16 one per warp). Each 128-element
+//   group of k is gathered permuted (gather_rows_kernel) so that lane 4 g + q's A registers of the group's 8 k16
+//   slices are the 16 element pairs of one block, block q of the group, of rows g and g + 8: slice 2 kb + h, column
+//   pair j holds pair 4 kb + 2 h + j. The lane loads that block's K words and scale for both rows (D groups ahead, D
+//   register sets used in turn: 8 / 4 / 2 at 64 / 128 / 256 rows per item), folds the K planes into four words f_s
+//   whose byte B is the 2K-bit index of pair 4 B + s (K = 5: 16-bit fields, eight words), and per step kb looks up
+//   byte kb of each f_s: one PRMT of it with the lane's table offset is the address of a conflict-free lookup in a
+//   pair table of (cb[even index bits], cb[odd]) x PRE, 32 replicas 256 bytes apart per entry (K = 5: a shift and a
+//   mask, 16 replicas); one HMUL2 applies the block scale. Step kb's wgmmas run while step kb + 1 is decoded into
+//   the other register set (wgmma.wait_group 1).
 // - Epilogue: the sums times the expert's tensor scale (and POST), rounded to the activation dtype, stored at the
 //   rows' original places (order). Rows whose ids are outside [0, E) are zeros.
 // - Numerics are the expert GEMV's: weights rounded to the activation dtype as cb x d (PRE / POST for fp16), fp32
@@ -65,16 +66,17 @@ struct EgTable {
 template <typename T, int K>
 __device__ __forceinline__ void eg_build_table(unsigned char* win, const float* __restrict__ cb) {
   using P = EgTable<K>;
-  for (int i = threadIdx.x; i < P::NP * P::R; i += blockDim.x) {
-    const int p = i / P::R, r = i % P::R;
+  constexpr int STORES = P::R / 4;  // 16-byte stores per entry: its replicas are contiguous
+  for (int i = threadIdx.x; i < P::NP * STORES; i += blockDim.x) {
+    const int p = i / STORES;
     uint32_t i0 = 0, i1 = 0;
 #pragma unroll
     for (int j = 0; j < K; ++j) {
       i0 |= ((p >> (2 * j)) & 1u) << j;
       i1 |= ((p >> (2 * j + 1)) & 1u) << j;
     }
-    *reinterpret_cast<uint32_t*>(win + EG_TABLE + P::ROW * p + 4 * r) =
-        Mma<T>::pack(__ldg(cb + i0) * Mma<T>::PRE, __ldg(cb + i1) * Mma<T>::PRE);
+    const uint32_t v = Mma<T>::pack(__ldg(cb + i0) * Mma<T>::PRE, __ldg(cb + i1) * Mma<T>::PRE);
+    *reinterpret_cast<uint4*>(win + EG_TABLE + P::ROW * p + 16 * (i % STORES)) = make_uint4(v, v, v, v);
   }
 }
 
@@ -255,11 +257,15 @@ __global__ void __launch_bounds__(EG_THREADS, 1)
   float acc[BN / 2];
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
-  EgGroup<K> gA, gB;
+  // the weights of the next D groups are in flight: D x 4 steps of wgmmas cover a load's latency (fewer rows per
+  // work item: shorter steps, more groups)
+  constexpr int D = BN == 64 ? 8 : BN == 128 ? 4 : 2;
+  EgGroup<K> buf[D];
+#pragma unroll
+  for (int d = 0; d < D; ++d)
+    if (d < ngroups) load_group(d, buf[d]);
   uint32_t a[2][2][4];
-  load_group(0, gA);
-  if (ngroups > 1) load_group(1, gB);
-  prepare(gA);
+  prepare(buf[0]);
   decode(0, a[0]);
   // group G (registers r; the next group's in rn): step kb's wgmmas, then step kb + 1 decoded into the other set
   auto group = [&](int G, EgGroup<K>& r, EgGroup<K>& rn) {
@@ -284,13 +290,14 @@ __global__ void __launch_bounds__(EG_THREADS, 1)
       } else if (G + 1 < ngroups) {
         prepare(rn);
         decode(0, a[0]);
-        if (G + 2 < ngroups) load_group(G + 2, r);  // this group's registers are free now
+        if (G + D < ngroups) load_group(G + D, r);  // this group's registers are free now
       }
     }
   };
-  for (int G = 0; G < ngroups; G += 2) {
-    group(G, gA, gB);
-    if (G + 1 < ngroups) group(G + 1, gB, gA);
+  for (int G0 = 0; G0 < ngroups; G0 += D) {
+#pragma unroll
+    for (int d = 0; d < D; ++d)
+      if (G0 + d < ngroups) group(G0 + d, buf[d], buf[(d + 1) % D]);
   }
   wgmma_wait<0>();
   fence_acc(acc);

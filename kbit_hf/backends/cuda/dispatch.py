@@ -6,7 +6,7 @@ batch size, shape and GPU is the library's choice: csrc/kbit_dispatch.h. docs/de
 | `linear`: fused GEMV for 1 <= M <= GEMV_MAX_M rows of fp16/bf16 | the GEMV reads the packed weight once and is bound by those bytes |
 | `linear`, tiled weight, compute capability 9.0, GEMV_MAX_M < M <= GEMM_MAX_M rows of fp16/bf16 (GEMM_MAX_M_SMALL on small layers): the tensor-core GEMM | decodes each weight tile once per 128-256 tokens in registers; no bf16 copy of the weight in memory; above those rows the two are within about 10% on the large layers and dequantize + cuBLAS wins on 4096x4096 (numbers below) |
 | `linear`, anything else: dequantize + cuBLAS | the fallback (bit-plane weights, other GPUs, fp32 activations) |
-| `expert_linear`, fp16 / bf16, at least EXPERT_GEMM_MIN_ROWS rows per expert on average, in_features % 128 == 0, compute capability 9.0: the library's grouped expert GEMM (tensor cores, decoded in registers) | reads each expert tile once per 64-256 of its rows and feeds the tensor cores; faster than the GEMV from about 24 rows per expert and than dequantize + grouped_mm everywhere (numbers below) |
+| `expert_linear`, fp16 / bf16, at least EXPERT_GEMM_MIN_ROWS rows per expert on average, in_features % 128 == 0, compute capability 9.0: the library's grouped expert GEMM (tensor cores, decoded in registers) | reads each expert tile once per 64-256 of its rows and feeds the tensor cores; faster than the GEMV from about 12 rows per expert and than dequantize + grouped_mm everywhere (numbers below) |
 | `expert_linear`, bf16, at least EXPERT_GROUPED_MM_MIN_ROWS rows per expert on average, compute capability >= 9.0 (where the GEMM does not run): every expert dequantized to bf16, then `torch._grouped_mm` | with that many rows per expert the tensor-core grouped GEMM outruns the GEMV-class kernel by more than the dequantization costs (numbers below) |
 | `expert_linear`, other fp16 / bf16: the library's expert kernel (per-row, or rows grouped by expert: its choice) | sorts the rows by expert on the device (no host sync, capturable) and reads each expert tile once per up to 64 of its rows |
 | `expert_linear`, fp32 activations: one `linear` per expert present | the reference-precision path; one host sync |
@@ -101,10 +101,11 @@ EXPERT_GROUPED_MM_MIN_ROWS = 48
 # The library's grouped expert GEMM (tensor cores) from EXPERT_GEMM_MIN_ROWS rows per expert on average. One experts
 # block on an H100, K = 4, microseconds, grouped expert GEMV | GEMM (| dequantize + grouped_mm), by mean rows per
 # expert:
-#   Qwen3-30B-A3B (128 experts)  8 rows 339 | 478   16 rows 539 | 519   24 rows 578 | 564   32 rows 765 | 601 | 1378
-#   Mixtral-8x7B (8 experts)     8 rows 695 | 834   24 rows 780 | 831   32 rows 1154 | 847   512 rows 12424 | 4387 | 5798
-# The GEMM beats dequantize + grouped_mm at every size measured (64 to 65536 rows).
-EXPERT_GEMM_MIN_ROWS = 24
+#   Qwen3-30B-A3B (128 experts)  8 rows 340 | 439   16 rows 540 | 478   32 rows 757 | 555 | 1374
+#   Mixtral-8x7B (8 experts)     16 rows 803 | 777   32 rows 1155 | 795   512 rows 12410 | 4364 | 5696
+# The two cross near 12 rows per expert; the GEMM beats dequantize + grouped_mm at every size measured (64 to 65536
+# rows).
+EXPERT_GEMM_MIN_ROWS = 12
 
 
 def expert_gemm_fits(in_features: int) -> bool:
