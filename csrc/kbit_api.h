@@ -98,7 +98,7 @@ KBIT_API int kbit_gemm_tiled(const void* x, int x_dtype, int64_t M, const void* 
 
 /* Grouped expert GEMM on the tensor cores for many rows per expert: y[n, o] = x[n] @ W[ids[n]]^T, rows with ids outside
  * [0, E) are zero; the bit planes as kbit_expert_gemv reads them; x/y float16 or bfloat16, x 16-byte aligned, in a
- * multiple of 128, fp32 accumulation; compute capability 9.0 only (cudaErrorNotSupported elsewhere). Sorts and gathers
+ * multiple of 64, fp32 accumulation; compute capability 9.0 only (cudaErrorNotSupported elsewhere). Sorts and gathers
  * the rows on the device (no host sync) in a workspace of kbit_expert_gemm_workspace(N, E, in) bytes, 256-byte
  * aligned. */
 KBIT_API int kbit_expert_gemm_available(void);

@@ -13,7 +13,8 @@
 // - Decode, from the bit planes straight into wgmma's A fragment (the m16n8k16 one per warp). Each 128-element
 //   group of k is gathered permuted (gather_rows_kernel) so that lane 4 g + q's A registers of the group's 8 k16
 //   slices are the 16 element pairs of one block, block q of the group, of rows g and g + 8: slice 2 kb + h, column
-//   pair j holds pair 4 kb + 2 h + j. The lane loads that block's K words and scale for both rows (D groups ahead, D
+//   pair j holds pair 4 kb + 2 h + j (a last half group of 64, where in % 128 == 64: lanes q and q ^ 1 share block
+//   q / 2, lane q its pairs 8 (q & 1) ..). The lane loads that block's K words and scale for both rows (D groups ahead, D
 //   register sets used in turn: 8 / 4 / 2 at 64 / 128 / 256 rows per item), folds the K planes into four words f_s
 //   whose byte B is the 2K-bit index of pair 4 B + s (K = 5: 16-bit fields, eight words), and per step kb looks up
 //   byte kb of each f_s: one PRMT of it with the lane's table offset is the address of a conflict-free lookup in a
@@ -227,10 +228,13 @@ __global__ void __launch_bounds__(EG_THREADS, 1)
   const uint32_t* wh = packed + rh * nb * K;
   const unsigned char* ag = reinterpret_cast<const unsigned char*>(absmax) + rg * nb * (fp16 ? 2 : 1);
   const unsigned char* ah = reinterpret_cast<const unsigned char*>(absmax) + rh * nb * (fp16 ? 2 : 1);
-  const int ngroups = nb / 4;
-  // group G's words and scale codes: block 4 G + q of both rows
+  // groups of 4 blocks, and where in % 128 == 64 a last half group of 2 (lanes q, q ^ 1 share block q / 2: lane q
+  // takes its pairs 8 (q & 1) ..; its steps read bytes 2 (q & 1) + kb of the folds)
+  const int nfull = nb / 4, ngroups = (nb + 3) / 4;
+  const int tail_byte = 2 * (q & 1);
+  // group G's words and scale codes: block 4 G + q (the half group: 4 G + q / 2) of both rows
   auto load_group = [&](int G, EgGroup<K>& r) {
-    const int blk = 4 * G + q;
+    const int blk = 4 * G + (G < nfull ? q : q >> 1);
     eg_load_block<K>(wg + blk * K, r.w[0]);
     eg_load_block<K>(wh + blk * K, r.w[1]);
     if (fp16) {
@@ -250,9 +254,10 @@ __global__ void __launch_bounds__(EG_THREADS, 1)
       d2[row] = scale_pair<T>(r.sc[row], fp16);
     }
   };
-  auto decode = [&](int kb, uint32_t(&a)[2][4]) {
+  // byte: kb in a whole group, tail_byte + kb in the half group
+  auto decode = [&](int byte, uint32_t(&a)[2][4]) {
 #pragma unroll
-    for (int row = 0; row < 2; ++row) eg_lookup<T, K>(fold[row], kb, d2[row], cl, row, a);
+    for (int row = 0; row < 2; ++row) eg_lookup<T, K>(fold[row], byte, d2[row], cl, row, a);
   };
   float acc[BN / 2];
 #pragma unroll
@@ -266,12 +271,14 @@ __global__ void __launch_bounds__(EG_THREADS, 1)
     if (d < ngroups) load_group(d, buf[d]);
   uint32_t a[2][2][4];
   prepare(buf[0]);
-  decode(0, a[0]);
+  decode(nfull > 0 ? 0 : tail_byte, a[0]);
   // group G (registers r; the next group's in rn): step kb's wgmmas, then step kb + 1 decoded into the other set
   auto group = [&](int G, EgGroup<K>& r, EgGroup<K>& rn) {
+    const int b0 = G < nfull ? 0 : tail_byte;
 #pragma unroll
     for (int kb = 0; kb < 4; ++kb) {
       const int blk = 4 * G + kb;  // the step's 32 k of the stage
+      if (blk >= nb) break;        // the half group's last two
       const int j = blk / SB;      // the stage's step
       if (blk % SB == 0) mbar_wait(EG_FULL + 8 * (j % EG_STAGES), (j / EG_STAGES) & 1);
       wgmma_fence();
@@ -286,10 +293,10 @@ __global__ void __launch_bounds__(EG_THREADS, 1)
         if (lane == 0) mbar_arrive(EG_EMPTY + 8 * ((j - 1) % EG_STAGES));
       }
       if (kb < 3) {
-        decode(kb + 1, a[(kb + 1) & 1]);
+        if (blk + 1 < nb) decode(b0 + kb + 1, a[(kb + 1) & 1]);
       } else if (G + 1 < ngroups) {
         prepare(rn);
-        decode(0, a[0]);
+        decode(G + 1 < nfull ? 0 : tail_byte, a[0]);
         if (G + D < ngroups) load_group(G + D, r);  // this group's registers are free now
       }
     }
@@ -315,16 +322,18 @@ __global__ void __launch_bounds__(EG_THREADS, 1)
 
 // xs[r] = x[order[r]] with each 128-element group of k in the decode's order: natural pair P = 8 S + 4 j + q (k slice
 // S, A-fragment column pair j of lane quad position q) holds pair 16 q + 2 S + j of the group, so lane q's block of a
-// group feeds its A registers (in % 128 == 0). One thread per pair of activations.
+// group feeds its A registers; a last half group (in % 128 == 64) holds pair 8 (q & 1) + 2 S + j of block q / 2. One
+// thread per pair of activations.
 template <typename T>
 __global__ void gather_rows_kernel(const T* __restrict__ x, const int* __restrict__ order, int64_t N, int in,
                                    T* __restrict__ xs) {
-  const int per_row = in / 2;
+  const int per_row = in / 2, full_pairs = in / 128 * 64;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < N * per_row;
        i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = i / per_row;
     const int c = (int)(i % per_row), P = c & 63, S = P >> 3, j = (P >> 2) & 1, q = P & 3;
-    const int src = (c & ~63) + 16 * q + 2 * S + j;
+    // a whole group: block q, its pair 2 S + j; the half group (32 pairs, S < 4): block q / 2, pair 8 (q & 1) + 2 S + j
+    const int src = (c & ~63) + (c < full_pairs ? 16 * q + 2 * S + j : 16 * (q >> 1) + 8 * (q & 1) + 2 * S + j);
     reinterpret_cast<uint32_t*>(xs + r * in)[c] = __ldg(reinterpret_cast<const uint32_t*>(x + (int64_t)order[r] * in) + src);
   }
 }
@@ -418,8 +427,8 @@ KBIT_API int kbit_expert_gemm(const void* x, int x_dtype, int64_t N, const int64
                               const float* codebook, int k, int64_t out, int64_t in, void* y, void* workspace,
                               int64_t workspace_bytes, void* stream) {
   if (N == 0 || out == 0) return 0;
-  if (N < 0 || E < 1 || E > EXPERT_GROUPED_MAX_E || N > 0x7FFFFFFF || out < 1 || out > 0x7FFFFFFF || in < 128 ||
-      in % 128 != 0 || in > (1 << 24) || ids == nullptr || workspace == nullptr ||
+  if (N < 0 || E < 1 || E > EXPERT_GROUPED_MAX_E || N > 0x7FFFFFFF || out < 1 || out > 0x7FFFFFFF || in < 64 ||
+      in % 64 != 0 || in > (1 << 24) || ids == nullptr || workspace == nullptr ||
       workspace_bytes < kbit_expert_gemm_workspace(N, E, in))
     return (int)cudaErrorInvalidValue;
   const uintptr_t align = k == 4 ? 15 : k == 2 ? 7 : 3;

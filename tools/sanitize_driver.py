@@ -88,9 +88,9 @@ def bit_planes(calls: Counter, ks) -> None:
 
 
 def _expert_gemm(calls: Counter, k, cb, af) -> None:
-    """The grouped expert GEMM (sm_90a): 40 rows (a partial 128-row CTA and 16-row tile), 3 groups of k, 64 / 128 /
-    256 rows per work item, ids outside [0, E)."""
-    E, out_f, in_f = 3, 40, 384
+    """The grouped expert GEMM (sm_90a): 40 rows (a partial 128-row CTA and 16-row tile), 2.5 groups of k (a half
+    group), 64 / 128 / 256 rows per work item, ids outside [0, E)."""
+    E, out_f, in_f = 3, 40, 320
     p, a, s = kernels.quantize(torch.randn(E, out_f, in_f, device="cuda"), cb, k, af)
     for xdt, n in itertools.product(X_DTYPES, (70, 300, 700)):
         x = torch.randn(n, in_f, device="cuda", dtype=xdt)

@@ -293,11 +293,11 @@ def test_expert_linear(k, dtype, N, path, shape):
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 @pytest.mark.parametrize("N", (1, 65, 127, 128, 1000, 4096))
-@pytest.mark.parametrize("shape", ((40, 384), (136, 2816), (256, 1024)), ids=str)
+@pytest.mark.parametrize("shape", ((40, 320), (136, 2880), (256, 1024), (24, 64)), ids=str)
 def test_expert_gemm(k, dtype, N, shape):
     """The grouped tensor-core expert GEMM against the fp64 reference: `out` not a multiple of the 128-row CTA (40,
-    136) nor of 16 (40), `in` an odd number of 128-element groups (384, 2816), fp16 block scales (2816), an expert
-    with no rows, one expert with most rows, ids outside [0, E) (zero rows), 64, 128 and 256 rows per work item. The
+    136) nor of 16 (40, 24), `in` with a last half group of 64 (320, 2880, 64: nothing else), fp16 block scales
+    (2880), an expert with no rows, one expert with most rows, ids outside [0, E) (zero rows), 64, 128 and 256 rows per work item. The
     output is poisoned before the call."""
     if not dispatch.expert_gemm_runs_on(0):
         pytest.skip("the expert GEMM needs compute capability 9.0 and sm_90a code")
@@ -305,7 +305,7 @@ def test_expert_gemm(k, dtype, N, shape):
     cb = fmt.nf_codebook(k)
     g = torch.Generator().manual_seed(N * 7 + k + out_f)
     w = torch.randn(E, out_f, in_f, generator=g)
-    p, a, s = reference.quantize(w, cb, k, "fp16" if in_f == 2816 else "e4m4")
+    p, a, s = reference.quantize(w, cb, k, "fp16" if in_f == 2880 else "e4m4")
     s = s * torch.rand(E, generator=g).add(0.5)  # a distinct tensor scale per expert
     x = torch.randn(N, in_f, generator=g).to(dtype)
     ids = torch.randint(-1, E + 1, (N,), generator=g)  # includes -1 and E (EP sentinels)
@@ -329,12 +329,12 @@ def test_expert_gemm_refuses_bad_input():
     """Shapes the GEMM does not take are refused with the reason, not computed wrong."""
     if not dispatch.expert_gemm_runs_on(0):
         pytest.skip("the expert GEMM needs compute capability 9.0 and sm_90a code")
-    k, E, out_f, in_f = 4, 2, 32, 192
+    k, E, out_f, in_f = 4, 2, 32, 160
     cb = fmt.nf_codebook(k).cuda()
     p, a, s = kernels.quantize(torch.randn(E, out_f, in_f, device="cuda"), cb, k, "e4m4")
     x = torch.randn(70, in_f, device="cuda", dtype=torch.bfloat16)
     ids = torch.zeros(70, dtype=torch.int64, device="cuda")
-    with pytest.raises(ValueError, match="in_features=192"):
+    with pytest.raises(ValueError, match="in_features=160"):
         kernels.expert_linear(x, ids, p, a, s, cb, k, in_f, kernel="gemm")
     with pytest.raises(ValueError, match="torch.float32"):
         kernels.expert_linear(x.float(), ids, p, a, s, cb, k, in_f, kernel="gemm")

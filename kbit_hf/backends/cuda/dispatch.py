@@ -6,7 +6,7 @@ batch size, shape and GPU is the library's choice: csrc/kbit_dispatch.h. docs/de
 | `linear`: fused GEMV for 1 <= M <= GEMV_MAX_M rows of fp16/bf16 | the GEMV reads the packed weight once and is bound by those bytes |
 | `linear`, tiled weight, compute capability 9.0, GEMV_MAX_M < M <= GEMM_MAX_M rows of fp16/bf16 (GEMM_MAX_M_SMALL on small layers): the tensor-core GEMM | decodes each weight tile once per 128-256 tokens in registers; no bf16 copy of the weight in memory; above those rows the two are within about 10% on the large layers and dequantize + cuBLAS wins on 4096x4096 (numbers below) |
 | `linear`, anything else: dequantize + cuBLAS | the fallback (bit-plane weights, other GPUs, fp32 activations) |
-| `expert_linear`, fp16 / bf16, at least EXPERT_GEMM_MIN_ROWS rows per expert on average, in_features % 128 == 0, compute capability 9.0: the library's grouped expert GEMM (tensor cores, decoded in registers) | reads each expert tile once per 64-256 of its rows and feeds the tensor cores; faster than the GEMV from about 12 rows per expert and than dequantize + grouped_mm everywhere (numbers below) |
+| `expert_linear`, fp16 / bf16, at least EXPERT_GEMM_MIN_ROWS rows per expert on average, in_features % 64 == 0, compute capability 9.0: the library's grouped expert GEMM (tensor cores, decoded in registers) | reads each expert tile once per 64-256 of its rows and feeds the tensor cores; faster than the GEMV from about 12 rows per expert and than dequantize + grouped_mm everywhere (numbers below) |
 | `expert_linear`, bf16, at least EXPERT_GROUPED_MM_MIN_ROWS rows per expert on average, compute capability >= 9.0 (where the GEMM does not run): every expert dequantized to bf16, then `torch._grouped_mm` | with that many rows per expert the tensor-core grouped GEMM outruns the GEMV-class kernel by more than the dequantization costs (numbers below) |
 | `expert_linear`, other fp16 / bf16: the library's expert kernel (per-row, or rows grouped by expert: its choice) | sorts the rows by expert on the device (no host sync, capturable) and reads each expert tile once per up to 64 of its rows |
 | `expert_linear`, fp32 activations: one `linear` per expert present | the reference-precision path; one host sync |
@@ -94,7 +94,7 @@ def linear_uses_gemm(M: int, dtype: torch.dtype, out_features: int, in_features:
 #   Mixtral-8x7B (8 experts)     16 rows 793 | 2520   128 rows 3338 | 3181   512 rows 12323 | 5955
 #   gpt-oss-20b (32 experts)     8 rows 491 | 1525    64 rows 2103 | 1709
 # Interpolated, the two cross near 85 (Qwen3), 120 (Mixtral) and 50 (gpt-oss-20b) rows. The rule runs only where the
-# expert GEMM does not (gpt-oss-20b's 2880 inputs are not a multiple of 128).
+# expert GEMM does not (inputs not a multiple of 64, GPUs other than compute capability 9.0).
 EXPERT_GROUPED_MM_MIN_ROWS = 48
 
 
@@ -109,7 +109,7 @@ EXPERT_GEMM_MIN_ROWS = 12
 
 
 def expert_gemm_fits(in_features: int) -> bool:
-    return in_features % 128 == 0  # the kernel decodes groups of 4 blocks
+    return in_features % 64 == 0  # the kernel decodes groups of 4 blocks and a last one of 2
 
 
 _expert_gemm: dict[int, bool] = {}

@@ -353,7 +353,7 @@ def _expert_gemm(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
     """The library's grouped expert GEMM (tensor cores, sm_90a): rows sorted and gathered by expert on the device."""
     if x.dtype not in dispatch.GEMV_DTYPES or not dispatch.expert_gemm_fits(in_features) \
             or not dispatch.expert_gemm_runs_on(x.get_device()):
-        raise ValueError(f"expert_linear: the expert GEMM takes fp16 / bf16 x, in_features a multiple of 128 and a "
+        raise ValueError(f"expert_linear: the expert GEMM takes fp16 / bf16 x, in_features a multiple of 64 and a "
                          f"compute capability 9.0 GPU; got {x.dtype}, in_features={in_features} on {x.device}")
     _check_shapes(packed, absmax, scale, k, in_features)
     N, E, out_f = x.shape[0], packed.shape[0], packed.shape[1]
