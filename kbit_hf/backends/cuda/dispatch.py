@@ -106,6 +106,7 @@ EXPERT_GROUPED_MM_MIN_ROWS = 48
 # The two cross near 12 rows per expert; the GEMM beats dequantize + grouped_mm at every size measured (64 to 65536
 # rows).
 EXPERT_GEMM_MIN_ROWS = 12
+EXPERT_GEMM_MAX_E = 8192  # the rows' sort counts its buckets in shared memory (csrc: EXPERT_GROUPED_MAX_E)
 
 
 def expert_gemm_fits(in_features: int) -> bool:
@@ -129,7 +130,8 @@ def expert_gemm_runs_on(index: int) -> bool:
 
 def expert_linear_path(N: int, E: int, out_features: int, in_features: int, dtype: torch.dtype, index: int) -> str:
     """"gemm", "grouped_mm", "kernel" or "loop" (see the table above)."""
-    if (dtype in GEMV_DTYPES and N >= EXPERT_GEMM_MIN_ROWS * E and expert_gemm_fits(in_features)
+    if (dtype in GEMV_DTYPES and N >= EXPERT_GEMM_MIN_ROWS * E and E <= EXPERT_GEMM_MAX_E
+            and expert_gemm_fits(in_features)
             and expert_gemm_runs_on(index)):
         return "gemm"
     if (dtype == torch.bfloat16 and N >= EXPERT_GROUPED_MM_MIN_ROWS * E and out_features % 8 == 0
