@@ -256,6 +256,19 @@ template <> struct Mma<__half> {
   static constexpr float POST = 1.0f / 256.0f;
 };
 
+// The bit-plane pair tables' entry p: (cb[i0], cb[i1]) * PRE in T, i0 / i1 = the even / odd bits of p (the index of an
+// element pair as the planes fold into it: bits 2 j, 2 j + 1 = plane j of the two elements)
+template <typename T, int K>
+__device__ __forceinline__ uint32_t pair_entry(const float* __restrict__ cb, int p) {
+  uint32_t i0 = 0, i1 = 0;
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    i0 |= ((p >> (2 * j)) & 1u) << j;
+    i1 |= ((p >> (2 * j + 1)) & 1u) << j;
+  }
+  return Mma<T>::pack(__ldg(cb + i0) * Mma<T>::PRE, __ldg(cb + i1) * Mma<T>::PRE);
+}
+
 // block scale code -> d * PRE as a packed pair in the activation dtype
 template <typename T>
 __device__ __forceinline__ uint32_t scale_pair(uint32_t sc, int fp16) {

@@ -70,13 +70,7 @@ __device__ __forceinline__ void eg_build_table(unsigned char* win, const float* 
   constexpr int STORES = P::R / 4;  // 16-byte stores per entry: its replicas are contiguous
   for (int i = threadIdx.x; i < P::NP * STORES; i += blockDim.x) {
     const int p = i / STORES;
-    uint32_t i0 = 0, i1 = 0;
-#pragma unroll
-    for (int j = 0; j < K; ++j) {
-      i0 |= ((p >> (2 * j)) & 1u) << j;
-      i1 |= ((p >> (2 * j + 1)) & 1u) << j;
-    }
-    const uint32_t v = Mma<T>::pack(__ldg(cb + i0) * Mma<T>::PRE, __ldg(cb + i1) * Mma<T>::PRE);
+    const uint32_t v = pair_entry<T, K>(cb, p);
     *reinterpret_cast<uint4*>(win + EG_TABLE + P::ROW * p + 16 * (i % STORES)) = make_uint4(v, v, v, v);
   }
 }

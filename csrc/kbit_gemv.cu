@@ -683,13 +683,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
   if constexpr (MODE != 1) {
     // pair table: entry P holds (cb[i0], cb[i1]) * PRE, i0 / i1 = the even / odd bits of P, in R replicas
     for (int p = tid; p < C::NP; p += nthreads) {
-      uint32_t i0 = 0, i1 = 0;
-#pragma unroll
-      for (int j = 0; j < K; ++j) {
-        i0 |= ((p >> (2 * j)) & 1u) << j;
-        i1 |= ((p >> (2 * j + 1)) & 1u) << j;
-      }
-      const uint32_t v = Mma<T>::pack(__ldg(codebook + i0) * Mma<T>::PRE, __ldg(codebook + i1) * Mma<T>::PRE);
+      const uint32_t v = pair_entry<T, K>(codebook, p);
       if constexpr (C::R >= 4) {
 #pragma unroll
         for (int r = 0; r < C::R; r += 4) *reinterpret_cast<uint4*>(&tbl[p * C::R + r]) = make_uint4(v, v, v, v);

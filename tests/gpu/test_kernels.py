@@ -242,6 +242,18 @@ def test_linear_large_m(k, dtype, M):
     _assert_linear_close(y, ref, mag, dtype, rel_w=rel_w)
 
 
+def _expert_ref(x, ids, p, a, s, cb, k, in_f):
+    """fp64 reference rows x[n] @ W[ids[n]]^T (zeros for ids outside [0, E)) and the magnitudes |x| @ |W|^T."""
+    wd = reference.dequantize(p, a, s, cb, k, in_f, torch.float32).double()
+    ref = torch.zeros(x.shape[0], wd.shape[1], dtype=torch.float64)
+    mag = torch.zeros_like(ref)
+    for e in range(wd.shape[0]):
+        rows = ids == e
+        ref[rows] = x[rows].double() @ wd[e].T
+        mag[rows] = x[rows].double().abs() @ wd[e].abs().T
+    return ref, mag
+
+
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32), ids=str)
 @pytest.mark.parametrize("N", (1, 5, 64, 100, 1100))
@@ -276,12 +288,7 @@ def test_expert_linear(k, dtype, N, path, shape):
         from kbit_hf.ops import expert_linear_forward
 
         outs = [torch.ops.kbit.expert_linear(*args), expert_linear_forward(*args)]
-    wd = reference.dequantize(p, a, s, cb, k, in_f, torch.float32).double()
-    ref, mag = torch.zeros(N, out_f, dtype=torch.float64), torch.zeros(N, out_f, dtype=torch.float64)
-    for e in range(E):
-        rows = ids == e
-        ref[rows] = x[rows].double() @ wd[e].T
-        mag[rows] = x[rows].double().abs() @ wd[e].abs().T
+    ref, mag = _expert_ref(x, ids, p, a, s, cb, k, in_f)
     valid = (ids >= 0) & (ids < E)
     # bf16 / fp16 rows may run the fused GEMV on either path (per row, or <= 64 rows of one expert)
     rel_w = 1e-5 if dtype == torch.float32 else GEMV_REL_W[dtype]
@@ -314,12 +321,7 @@ def test_expert_gemm(k, dtype, N, shape):
         ids[: N // 2] = 1  # an expert with most rows (several work items)
     torch.empty(N * out_f * 4, dtype=torch.uint8, device="cuda").fill_(0xFF)
     y = kernels.expert_linear(x.cuda(), ids.cuda(), p.cuda(), a.cuda(), s.cuda(), cb.cuda(), k, in_f, kernel="gemm")
-    wd = reference.dequantize(p, a, s, cb, k, in_f, torch.float32).double()
-    ref, mag = torch.zeros(N, out_f, dtype=torch.float64), torch.zeros(N, out_f, dtype=torch.float64)
-    for e in range(E):
-        rows = ids == e
-        ref[rows] = x[rows].double() @ wd[e].T
-        mag[rows] = x[rows].double().abs() @ wd[e].abs().T
+    ref, mag = _expert_ref(x, ids, p, a, s, cb, k, in_f)
     valid = (ids >= 0) & (ids < E)
     assert bool((y[~valid.cuda()] == 0).all())
     _assert_linear_close(y[valid.cuda()], ref[valid], mag[valid], dtype, rel_w=GEMV_REL_W[dtype])

@@ -39,17 +39,22 @@ def tiled_gemv_runs_on(index: int) -> bool:
     return ok
 
 
-def gemm_runs_on(index: int) -> bool:
-    """The tiled GEMM runs on CUDA device `index`: compute capability 9.0 exactly and a library built with sm_90a
-    machine code (its wgmma), as the library says. Cached: asked per call."""
-    ok = _sm90a.get(index)
+def _wgmma_runs_on(cache: dict[int, bool], index: int, ask) -> bool:
+    """Compute capability 9.0 exactly and a library built with sm_90a machine code (wgmma), as ask() (the library's
+    availability call) says on device `index`. Cached per device: asked per call."""
+    ok = cache.get(index)
     if ok is None:
         ok = library.lib is not None and torch.cuda.get_device_capability(index) == (9, 0)
         if ok:
             with torch.cuda.device(index):
-                ok = library.lib.kbit_gemm_tiled_available() == 1
-        _sm90a[index] = ok
+                ok = ask() == 1
+        cache[index] = ok
     return ok
+
+
+def gemm_runs_on(index: int) -> bool:
+    """The tiled GEMM runs on CUDA device `index`."""
+    return _wgmma_runs_on(_sm90a, index, lambda: library.lib.kbit_gemm_tiled_available())
 
 
 def tiled_layout_fits(out_features: int, in_features: int, k: int, absmax_format: str) -> bool:
@@ -117,15 +122,8 @@ _expert_gemm: dict[int, bool] = {}
 
 
 def expert_gemm_runs_on(index: int) -> bool:
-    """The grouped expert GEMM runs on CUDA device `index` (compute capability 9.0, sm_90a code). Cached."""
-    ok = _expert_gemm.get(index)
-    if ok is None:
-        ok = library.lib is not None and torch.cuda.get_device_capability(index) == (9, 0)
-        if ok:
-            with torch.cuda.device(index):
-                ok = library.lib.kbit_expert_gemm_available() == 1
-        _expert_gemm[index] = ok
-    return ok
+    """The grouped expert GEMM runs on CUDA device `index`."""
+    return _wgmma_runs_on(_expert_gemm, index, lambda: library.lib.kbit_expert_gemm_available())
 
 
 def expert_linear_path(N: int, E: int, out_features: int, in_features: int, dtype: torch.dtype, index: int) -> str:
