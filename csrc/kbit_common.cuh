@@ -256,6 +256,24 @@ template <> struct Mma<__half> {
   static constexpr float POST = 1.0f / 256.0f;
 };
 
+// The K bit planes of a 32-element block folded into pair indices, for pair offset s = 0..3: K <= 4: fold[0], whose
+// byte B is the 2K-bit index of the element pair (8 B + 2 s, 8 B + 2 s + 1) (bits 2 j, 2 j + 1 = plane j of the two
+// elements); K = 5: fold[0] / fold[1] hold those of bytes 0, 2 / 1, 3 in 16-bit fields. w: at least K words.
+template <int K, int N>
+__host__ __device__ __forceinline__ void fold_planes(const uint32_t (&w)[N], int s, uint32_t (&fold)[2]) {
+  static_assert(N >= K, "plane words");
+  uint32_t t = 0, to = 0;
+  constexpr uint32_t M = K <= 4 ? 0x03030303u : 0x00030003u;
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    const uint32_t v = (2 * s - 2 * j >= 0) ? (w[j] >> (2 * s - 2 * j)) : (w[j] << (2 * j - 2 * s));
+    t |= v & (M << (2 * j));
+    if constexpr (K == 5) to |= (w[j] >> (8 + 2 * s - 2 * j)) & (M << (2 * j));
+  }
+  fold[0] = t;
+  fold[1] = to;
+}
+
 // The bit-plane pair tables' entry p: (cb[i0], cb[i1]) * PRE in T, i0 / i1 = the even / odd bits of p (the index of an
 // element pair as the planes fold into it: bits 2 j, 2 j + 1 = plane j of the two elements)
 template <typename T, int K>

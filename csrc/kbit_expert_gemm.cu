@@ -104,25 +104,10 @@ template <int K>
 __device__ __forceinline__ void eg_fold(const uint32_t (&w)[K], uint32_t (&f)[K == 5 ? 8 : 4]) {
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
-    if constexpr (K <= 4) {
-      uint32_t t = 0;
-#pragma unroll
-      for (int j = 0; j < K; ++j) {
-        const uint32_t v = (2 * s >= 2 * j) ? (w[j] >> (2 * s - 2 * j)) : (w[j] << (2 * j - 2 * s));
-        t |= v & (0x03030303u << (2 * j));
-      }
-      f[s] = t;
-    } else {
-      uint32_t te = 0, to = 0;
-#pragma unroll
-      for (int j = 0; j < K; ++j) {
-        const uint32_t v = (2 * s >= 2 * j) ? (w[j] >> (2 * s - 2 * j)) : (w[j] << (2 * j - 2 * s));
-        te |= v & (0x00030003u << (2 * j));
-        to |= (w[j] >> (8 + 2 * s - 2 * j)) & (0x00030003u << (2 * j));
-      }
-      f[s] = te;
-      f[4 + s] = to;
-    }
+    uint32_t fold[2];
+    fold_planes<K>(w, s, fold);
+    f[s] = fold[0];
+    if constexpr (K == 5) f[4 + s] = fold[1];
   }
 }
 

@@ -93,13 +93,10 @@ __device__ __forceinline__ void decode_block(const uint32_t (&w)[5], uint32_t d2
   using C = Cfg<K>;
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
+    uint32_t fold[2];
+    fold_planes<K>(w, s, fold);
     if constexpr (K <= 4) {
-      uint32_t t = 0;
-#pragma unroll
-      for (int j = 0; j < K; ++j) {
-        const uint32_t v = (2 * s - 2 * j >= 0) ? (w[j] >> (2 * s - 2 * j)) : (w[j] << (2 * j - 2 * s));
-        t |= v & (0x03030303u << (2 * j));
-      }
+      const uint32_t t = fold[0];
 #pragma unroll
       for (int B = 0; B < 4; ++B) {
         if (HALF >= 0 && (B >> 1) != HALF) continue;
@@ -109,13 +106,7 @@ __device__ __forceinline__ void decode_block(const uint32_t (&w)[5], uint32_t d2
       }
     } else {
       // 16-bit fields: te holds the pairs of bytes 0 and 2, to those of bytes 1 and 3
-      uint32_t te = 0, to = 0;
-#pragma unroll
-      for (int j = 0; j < K; ++j) {
-        const uint32_t ve = (2 * s - 2 * j >= 0) ? (w[j] >> (2 * s - 2 * j)) : (w[j] << (2 * j - 2 * s));
-        te |= ve & (0x00030003u << (2 * j));
-        to |= (w[j] >> (8 + 2 * s - 2 * j)) & (0x00030003u << (2 * j));
-      }
+      const uint32_t te = fold[0], to = fold[1];
 #pragma unroll
       for (int f = 0; f < 2; ++f) {
         if (HALF >= 0 && f != HALF) continue;
