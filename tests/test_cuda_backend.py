@@ -62,3 +62,26 @@ def test_which_weights_kbit_linear_holds_tiled(monkeypatch, k):
     assert not dispatch.holds_tiled(6144 + 8, 4096, k, "e4m4", "cuda")  # out % 16
     assert not dispatch.holds_tiled(6144, 4096 + 128, k, "e4m4", "cuda")  # in % 256
     assert not dispatch.holds_tiled(6144, 4096, 6, "e4m4", "cuda")  # no tiled layout for other K
+
+
+@pytest.mark.parametrize("gemm", (True, False), ids=("gemm_runs", "no_gemm"))
+def test_which_expert_path_runs(monkeypatch, gemm):
+    """dispatch.expert_linear_path on a pretended compute capability 9.0 device: the expert GEMV up to
+    EXPERT_GEMM_MIN_ROWS rows per expert, the expert GEMM from there (fp16 / bf16, in % 64 == 0, E within the sort),
+    dequantize + grouped_mm (bf16) where the GEMM does not run, the per-expert loop for fp32."""
+    monkeypatch.setattr(dispatch, "expert_gemm_runs_on", lambda index: gemm)
+    monkeypatch.setattr(dispatch, "grouped_mm_runs_on", lambda index: True)
+    E, lo, hi = 128, dispatch.EXPERT_GEMM_MIN_ROWS, dispatch.EXPERT_GROUPED_MM_MIN_ROWS
+
+    def path(rows_per_expert, dtype=torch.bfloat16, in_f=2048, e=E):
+        return dispatch.expert_linear_path(rows_per_expert * e, e, 1536, in_f, dtype, 0)
+
+    assert path(lo - 1) == "kernel" and path(lo - 1, torch.float16) == "kernel"
+    assert path(lo) == ("gemm" if gemm else "kernel")
+    assert path(lo, torch.float16) == ("gemm" if gemm else "kernel")
+    assert path(hi) == ("gemm" if gemm else "grouped_mm")
+    assert path(hi, torch.float16) == ("gemm" if gemm else "kernel")  # torch._grouped_mm here: bf16 only
+    assert path(hi, in_f=2880) == ("gemm" if gemm else "grouped_mm")  # 2880 = 45 x 64: a last half group
+    assert path(hi, in_f=2080) == "grouped_mm"  # not a multiple of 64
+    assert path(hi, e=dispatch.EXPERT_GEMM_MAX_E + 1) == "grouped_mm"
+    assert path(hi, torch.float32) == "loop"
