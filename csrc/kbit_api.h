@@ -90,8 +90,9 @@ KBIT_API int kbit_gemv_tiled_kernel(const void* x, int x_dtype, int64_t M, const
  * too few tiles to fill the GPU the library splits the k range and needs a workspace of
  * kbit_gemm_tiled_workspace(M, out, in) bytes (0: none; -1: bad shape or no device) on the current device. */
 KBIT_API int64_t kbit_gemm_tiled_workspace(int64_t M, int64_t out, int64_t in);
-/* 1 when the GEMM runs on the current device: compute capability 9.0 and this library built with sm_90a code. */
-KBIT_API int kbit_gemm_tiled_available(void);
+/* 1 when the wgmma GEMMs (kbit_gemm_tiled, kbit_expert_gemm) run on the current device: compute capability 9.0 and
+ * this library built with sm_90a code. */
+KBIT_API int kbit_wgmma_available(void);
 KBIT_API int kbit_gemm_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at, const float* scale,
                              const float* codebook, int k, int64_t out, int64_t in, const void* bias, void* y,
                              void* workspace, int64_t workspace_bytes, void* stream);
@@ -101,7 +102,6 @@ KBIT_API int kbit_gemm_tiled(const void* x, int x_dtype, int64_t M, const void* 
  * multiple of 64, fp32 accumulation; compute capability 9.0 only (cudaErrorNotSupported elsewhere). Sorts and gathers
  * the rows on the device (no host sync) in a workspace of kbit_expert_gemm_workspace(N, E, in) bytes, 256-byte
  * aligned. */
-KBIT_API int kbit_expert_gemm_available(void);
 KBIT_API int64_t kbit_expert_gemm_workspace(int64_t N, int64_t E, int64_t in);
 KBIT_API int kbit_expert_gemm(const void* x, int x_dtype, int64_t N, const int64_t* ids, int64_t E,
                               const uint32_t* packed, const void* absmax, int absmax_fp16, const float* scale,

@@ -41,14 +41,14 @@ inline int grid_for_threads(int64_t threads_needed, int threads = 256, int block
   return (int)blocks;
 }
 
-
 // ---- grouped experts: rows sorted by expert (kbit_gemv.cu) ----
 // Counting sort of N rows by expert id on the device (one CTA, no host sync): order [N] lists the rows bucket by
 // bucket, offsets [E + 2] the buckets' starts (bucket E: ids outside [0, E)), offsets[E + 1] = N. E <= 8192.
 void expert_route(const int64_t* ids, int64_t N, int64_t E, int* order, int* offsets, cudaStream_t st);
 
-// Grouped experts (the expert GEMV's grouped mode, the expert GEMM), one warp: work item w -> (bucket, first sorted row, rows) in item[0..2]. Each bucket's rows are cut
-// into chunks of at most mt, numbered bucket by bucket; item[2] = 0 past the last one.
+// One warp: work item w -> (bucket, first sorted row, rows) in item[0..2], for the expert GEMV's grouped mode and the
+// expert GEMM. Each bucket's rows are cut into chunks of at most mt, numbered bucket by bucket; item[2] = 0 past the
+// last one.
 __device__ __forceinline__ void find_item(const int* __restrict__ offsets, int buckets, int mt, int w, int lane,
                                           int* item) {
   int base = 0;

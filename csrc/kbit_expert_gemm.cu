@@ -5,22 +5,22 @@
 // - Rows are counting-sorted by expert on the device (expert_route), then gathered in that order (gather_rows: xs[r]
 //   = x[order[r]], so each expert's rows are contiguous for the TMA); no host sync, CUDA-graph capturable.
 // - The product runs transposed, y^T = W x^T: the weight is wgmma's register operand A, the activations its
-//   shared-memory operand B. A CTA is 128 weight rows of one expert (blockIdx.x) by a work item of at most BN = 64 or
-//   128 of that expert's sorted rows (blockIdx.y, find_item): two consumer warpgroups (warp w decodes rows 16 w ..
-//   16 w + 15 of the 128) and a producer warpgroup, one lane of which fills EG_STAGES stages of 32 KB with TMA boxes
-//   of 64 k x BN rows (128-byte swizzle, wgmma's K-major layout; rows past N are zero-filled, rows of the next expert
-//   are computed and never stored).
+//   shared-memory operand B. A CTA is 128 weight rows of one expert (blockIdx.x) by a work item of at most BN = 64,
+//   128 or 256 of that expert's sorted rows (blockIdx.y, find_item): two consumer warpgroups (warp w decodes rows
+//   16 w .. 16 w + 15 of the 128) and a producer warpgroup, one lane of which fills EG_STAGES stages of 32 KB with
+//   TMA boxes of 64 k x BN rows (128-byte swizzle, wgmma's K-major layout; rows past N are zero-filled, rows of the
+//   next expert are computed and never stored).
 // - Decode, from the bit planes straight into wgmma's A fragment (the m16n8k16 one per warp). Each 128-element
 //   group of k is gathered permuted (gather_rows_kernel) so that lane 4 g + q's A registers of the group's 8 k16
 //   slices are the 16 element pairs of one block, block q of the group, of rows g and g + 8: slice 2 kb + h, column
 //   pair j holds pair 4 kb + 2 h + j (a last half group of 64, where in % 128 == 64: lanes q and q ^ 1 share block
-//   q / 2, lane q its pairs 8 (q & 1) ..). The lane loads that block's K words and scale for both rows (D groups ahead, D
-//   register sets used in turn: 8 / 4 / 2 at 64 / 128 / 256 rows per item), folds the K planes into four words f_s
-//   whose byte B is the 2K-bit index of pair 4 B + s (K = 5: 16-bit fields, eight words), and per step kb looks up
-//   byte kb of each f_s: one PRMT of it with the lane's table offset is the address of a conflict-free lookup in a
-//   pair table of (cb[even index bits], cb[odd]) x PRE, 32 replicas 256 bytes apart per entry (K = 5: a shift and a
-//   mask, 16 replicas); one HMUL2 applies the block scale. Step kb's wgmmas run while step kb + 1 is decoded into
-//   the other register set (wgmma.wait_group 1).
+//   q / 2, lane q its pairs 8 (q & 1) ..). The lane loads that block's K words and scale for both rows (D groups
+//   ahead, D register sets used in turn: 8 / 4 / 2 at 64 / 128 / 256 rows per item), folds the K planes into four
+//   words f_s whose byte B is the 2K-bit index of pair 4 B + s (K = 5: 16-bit fields, eight words), and per step kb
+//   looks up byte kb of each f_s: one PRMT of it with the lane's table offset is the address of a conflict-free
+//   lookup in a pair table of (cb[even index bits], cb[odd]) x PRE, 32 replicas 256 bytes apart per entry (K = 5: a
+//   shift and a mask, 16 replicas); one HMUL2 applies the block scale. Step kb's wgmmas run while step kb + 1 is
+//   decoded into the other register set (wgmma.wait_group 1).
 // - Epilogue: the sums times the expert's tensor scale (and POST), rounded to the activation dtype, stored at the
 //   rows' original places (order). Rows whose ids are outside [0, E) are zeros.
 // - Numerics are the expert GEMV's: weights rounded to the activation dtype as cb x d (PRE / POST for fp16), fp32
@@ -188,7 +188,8 @@ __global__ void __launch_bounds__(EG_THREADS, 1)
         if (j >= EG_STAGES) mbar_wait(EG_EMPTY + 8 * s, (j / EG_STAGES - 1) & 1);
         const int p0 = j * SB / 2, boxes = min(SB / 2, npairs - p0);
         mbar_expect_tx(EG_FULL + 8 * s, (uint32_t)boxes * BOX);
-        for (int b = 0; b < boxes; ++b) tma_load_2d(eg_stage_addr(s) + b * BOX, &xmap, 64 * (p0 + b), r0, EG_FULL + 8 * s);
+        for (int b = 0; b < boxes; ++b)
+          tma_load_2d(eg_stage_addr(s) + b * BOX, &xmap, 64 * (p0 + b), r0, EG_FULL + 8 * s);
       }
     }
     return;
@@ -313,7 +314,8 @@ __global__ void gather_rows_kernel(const T* __restrict__ x, const int* __restric
     const int c = (int)(i % per_row), P = c & 63, S = P >> 3, j = (P >> 2) & 1, q = P & 3;
     // a whole group: block q, its pair 2 S + j; the half group (32 pairs, S < 4): block q / 2, pair 8 (q & 1) + 2 S + j
     const int src = (c & ~63) + (c < full_pairs ? 16 * q + 2 * S + j : 16 * (q >> 1) + 8 * (q & 1) + 2 * S + j);
-    reinterpret_cast<uint32_t*>(xs + r * in)[c] = __ldg(reinterpret_cast<const uint32_t*>(x + (int64_t)order[r] * in) + src);
+    const uint32_t* xr = reinterpret_cast<const uint32_t*>(x + (int64_t)order[r] * in);
+    reinterpret_cast<uint32_t*>(xs + r * in)[c] = __ldg(xr + src);
   }
 }
 
@@ -390,11 +392,6 @@ int launch_k(int k, const void* x, int64_t N, const int64_t* ids, int64_t E, con
 }  // namespace
 
 extern "C" {
-
-KBIT_API int kbit_expert_gemm_available(void) {
-  int dev = 0, sms = 0;
-  return current_device_sms(dev, sms) && wgmma_gemm_available(dev) ? 1 : 0;
-}
 
 KBIT_API int64_t kbit_expert_gemm_workspace(int64_t N, int64_t E, int64_t in) {
   if (N < 0 || E < 1 || in < 0) return -1;

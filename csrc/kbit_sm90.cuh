@@ -1,10 +1,7 @@
 // kbit_sm90.cuh: the sm_90 instructions the tiled kernels and the grouped expert GEMM share: mbarriers, bulk and
 // tensor (TMA) copies, programmatic dependent launch, clusters, wgmma (sm_90a) and the driver's tensor-map encoder.
-// Included inside each translation unit's anonymous namespace.
+// Included inside each translation unit's anonymous namespace, after <cuda.h>, <cuda_runtime.h> and <type_traits>.
 #pragma once
-#include <cuda.h>
-#include <cuda_runtime.h>
-#include <type_traits>
 
 // a 32-bit load at a shared-window address
 __device__ __forceinline__ uint32_t lds_at(uint32_t addr) {

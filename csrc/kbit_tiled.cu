@@ -1771,7 +1771,7 @@ KBIT_API int kbit_gemv_tiled(const void* x, int x_dtype, int64_t M, const void* 
   return kbit_gemv_tiled_kernel(x, x_dtype, M, wt, at, scale, codebook, k, out, in, bias, y, KBIT_TILED_AUTO, stream);
 }
 
-KBIT_API int kbit_gemm_tiled_available(void) {
+KBIT_API int kbit_wgmma_available(void) {
   int dev = 0, sms = 0;
   return current_device_sms(dev, sms) && wgmma_gemm_available(dev) ? 1 : 0;
 }

@@ -69,7 +69,7 @@ def test_which_expert_path_runs(monkeypatch, gemm):
     """dispatch.expert_linear_path on a pretended compute capability 9.0 device: the expert GEMV up to
     EXPERT_GEMM_MIN_ROWS rows per expert, the expert GEMM from there (fp16 / bf16, in % 64 == 0, E within the sort),
     dequantize + grouped_mm (bf16) where the GEMM does not run, the per-expert loop for fp32."""
-    monkeypatch.setattr(dispatch, "expert_gemm_runs_on", lambda index: gemm)
+    monkeypatch.setattr(dispatch, "wgmma_runs_on", lambda index: gemm)
     monkeypatch.setattr(dispatch, "grouped_mm_runs_on", lambda index: True)
     E, lo, hi = 128, dispatch.EXPERT_GEMM_MIN_ROWS, dispatch.EXPERT_GROUPED_MM_MIN_ROWS
 

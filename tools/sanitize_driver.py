@@ -78,7 +78,7 @@ def bit_planes(calls: Counter, ks) -> None:
                 ids = torch.randint(-1, shape[0] + 1, (n,), device="cuda")
                 kernels.expert_linear(x, ids, p, a, s, cb, k, shape[-1], kernel="grouped")
                 calls["expert gemv, grouped"] += 1
-            if dispatch.expert_gemm_runs_on(torch.cuda.current_device()):
+            if dispatch.wgmma_runs_on(torch.cuda.current_device()):
                 _expert_gemm(calls, k, cb, af)
             if af == "e4m4":  # the per-expert loop (dequantize + cuBLAS)
                 x = torch.randn(70, shape[-1], device="cuda", dtype=torch.float32)
@@ -101,7 +101,7 @@ def _expert_gemm(calls: Counter, k, cb, af) -> None:
 
 def tiled(calls: Counter, ks, variants=None) -> None:
     gemv = dispatch.tiled_gemv_runs_on(torch.cuda.current_device())
-    gemm = dispatch.gemm_runs_on(torch.cuda.current_device())
+    gemm = dispatch.wgmma_runs_on(torch.cuda.current_device())
     auto = variants is None or "auto" in variants
     forced = [name for name in kernels.TILED_KERNELS if name != "auto" and (variants is None or name in variants)]
     for k, (out_f, in_f) in itertools.product([k for k in ks if k in TILED_K], TILED_SHAPES):

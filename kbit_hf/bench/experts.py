@@ -110,7 +110,7 @@ def _measure(name: str, tokens: list[int], k: int, repeats: int) -> list[dict]:
                 row["per_row"] = _time_graph([lambda: _kbit_block(moe, x, ids, weights, "per_row")], repeats)
             row["grouped"] = _time_graph([lambda: _kbit_block(moe, x, ids, weights, "grouped")], repeats)
             if (T * topk >= E and dispatch.expert_gemm_fits(H) and dispatch.expert_gemm_fits(inter)
-                    and dispatch.expert_gemm_runs_on(torch.cuda.current_device())):
+                    and dispatch.wgmma_runs_on(torch.cuda.current_device())):
                 row["gemm"] = _time_graph([lambda: _kbit_block(moe, x, ids, weights, "gemm")], repeats)
             if dispatch.grouped_mm_runs_on(torch.cuda.current_device()):
                 row["grouped_mm"] = _time_graph([lambda: _kbit_block(moe, x, ids, weights, "grouped_mm")], repeats)

@@ -230,7 +230,7 @@ def run(args) -> int:
                 # GPU runs it) or the path linear takes (dequantize + cuBLAS)
                 gemm = M > dispatch.GEMV_MAX_M
                 fused = cuda.gemm_out if gemm else cuda.linear_out
-                if held_tiled and (not gemm or dispatch.gemm_runs_on(torch.cuda.current_device())):
+                if held_tiled and (not gemm or dispatch.wgmma_runs_on(torch.cuda.current_device())):
                     # KbitLinear holds this weight in the tiled layout: time that, and the bit planes too
                     tcopies = [tiled.tile(c[0], c[1], in_f, k) for c in copies]
                     us = _time_graph([lambda c=c: fused(x, c[0], c[1], s0, cb, k, in_f, None, y) for c in tcopies],

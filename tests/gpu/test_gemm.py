@@ -31,7 +31,7 @@ GEMM_SHAPES = [(16, 256), (272, 768), (2000, 2304), (4096, 1024), (6144, 4096)]
 
 
 def _sm90a():
-    return dispatch.gemm_runs_on(torch.cuda.current_device())
+    return dispatch.wgmma_runs_on(torch.cuda.current_device())
 
 
 def _quantized(shape, k, seed):
@@ -144,7 +144,7 @@ def test_gemm_runs_on_every_compute_capability_9_0_gpu():
     back in silence)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("compute capability 9.0 only")
-    assert dispatch.gemm_runs_on(torch.cuda.current_device())
+    assert dispatch.wgmma_runs_on(torch.cuda.current_device())
 
 
 def test_gemm_tiled_refuses_too_many_tokens():

@@ -306,7 +306,7 @@ def test_expert_gemm(k, dtype, N, shape):
     136) nor of 16 (40, 24), `in` with a last half group of 64 (320, 2880, 64: nothing else), fp16 block scales
     (2880), an expert with no rows, one expert with most rows, ids outside [0, E) (zero rows), 64, 128 and 256 rows per work item. The
     output is poisoned before the call."""
-    if not dispatch.expert_gemm_runs_on(0):
+    if not dispatch.wgmma_runs_on(0):
         pytest.skip("the expert GEMM needs compute capability 9.0 and sm_90a code")
     E, (out_f, in_f) = 6, shape
     cb = fmt.nf_codebook(k)
@@ -329,7 +329,7 @@ def test_expert_gemm(k, dtype, N, shape):
 
 def test_expert_gemm_refuses_bad_input():
     """Shapes the GEMM does not take are refused with the reason, not computed wrong."""
-    if not dispatch.expert_gemm_runs_on(0):
+    if not dispatch.wgmma_runs_on(0):
         pytest.skip("the expert GEMM needs compute capability 9.0 and sm_90a code")
     k, E, out_f, in_f = 4, 2, 32, 160
     cb = fmt.nf_codebook(k).cuda()
@@ -381,7 +381,7 @@ def test_expert_linear_in_a_cuda_graph(path):
     grouped kernels' sort and the grouped_mm path's offsets are recomputed on the device at every replay."""
     if path == "grouped_mm" and not dispatch.grouped_mm_runs_on(0):
         pytest.skip("torch._grouped_mm needs compute capability >= 9.0")
-    if path == "gemm" and not dispatch.expert_gemm_runs_on(0):
+    if path == "gemm" and not dispatch.wgmma_runs_on(0):
         pytest.skip("the expert GEMM needs compute capability 9.0 and sm_90a code")
     k, E, out_f, in_f, N = 4, 5, 64, 256, 200
     cb = fmt.nf_codebook(k).cuda()

@@ -28,7 +28,7 @@ TILED_MIN_NUMEL = {2: 4096 * 4096 + 1, 3: 4096 * 4096, 4: 4096 * 4096, 5: 2048 *
 TILE_ROWS, TILE_IN = 16, 256  # the tiled layout's unit: 16 rows x 256 inputs (two 128-element chunks)
 
 _sm90: dict[int, bool] = {}
-_sm90a: dict[int, bool] = {}
+_wgmma: dict[int, bool] = {}
 
 
 def tiled_gemv_runs_on(index: int) -> bool:
@@ -39,22 +39,18 @@ def tiled_gemv_runs_on(index: int) -> bool:
     return ok
 
 
-def _wgmma_runs_on(cache: dict[int, bool], index: int, ask) -> bool:
-    """Compute capability 9.0 exactly and a library built with sm_90a machine code (wgmma), as ask() (the library's
-    availability call) says on device `index`. Cached per device: asked per call."""
-    ok = cache.get(index)
+def wgmma_runs_on(index: int) -> bool:
+    """The library's wgmma GEMMs (the tiled GEMM, the grouped expert GEMM) run on CUDA device `index`: compute
+    capability 9.0 exactly and a library built with sm_90a machine code, as the library says. Cached: asked per
+    call."""
+    ok = _wgmma.get(index)
     if ok is None:
         ok = library.lib is not None and torch.cuda.get_device_capability(index) == (9, 0)
         if ok:
             with torch.cuda.device(index):
-                ok = ask() == 1
-        cache[index] = ok
+                ok = library.lib.kbit_wgmma_available() == 1
+        _wgmma[index] = ok
     return ok
-
-
-def gemm_runs_on(index: int) -> bool:
-    """The tiled GEMM runs on CUDA device `index`."""
-    return _wgmma_runs_on(_sm90a, index, lambda: library.lib.kbit_gemm_tiled_available())
 
 
 def tiled_layout_fits(out_features: int, in_features: int, k: int, absmax_format: str) -> bool:
@@ -88,7 +84,7 @@ GEMM_MAX_M, GEMM_MAX_M_SMALL, GEMM_SMALL_NUMEL = 1024, 256, 4096 * 4096
 
 
 def linear_uses_gemm(M: int, dtype: torch.dtype, out_features: int, in_features: int) -> bool:
-    """For a tiled weight on a device where gemm_runs_on."""
+    """For a tiled weight on a device where wgmma_runs_on."""
     most = GEMM_MAX_M_SMALL if out_features * in_features <= GEMM_SMALL_NUMEL else GEMM_MAX_M
     return GEMV_MAX_M < M <= most and dtype in GEMV_DTYPES
 
@@ -118,19 +114,11 @@ def expert_gemm_fits(in_features: int) -> bool:
     return in_features % 64 == 0  # the kernel decodes groups of 4 blocks and a last one of 2
 
 
-_expert_gemm: dict[int, bool] = {}
-
-
-def expert_gemm_runs_on(index: int) -> bool:
-    """The grouped expert GEMM runs on CUDA device `index`."""
-    return _wgmma_runs_on(_expert_gemm, index, lambda: library.lib.kbit_expert_gemm_available())
-
-
 def expert_linear_path(N: int, E: int, out_features: int, in_features: int, dtype: torch.dtype, index: int) -> str:
     """"gemm", "grouped_mm", "kernel" or "loop" (see the table above)."""
     if (dtype in GEMV_DTYPES and N >= EXPERT_GEMM_MIN_ROWS * E and E <= EXPERT_GEMM_MAX_E
             and expert_gemm_fits(in_features)
-            and expert_gemm_runs_on(index)):
+            and wgmma_runs_on(index)):
         return "gemm"
     if (dtype == torch.bfloat16 and N >= EXPERT_GROUPED_MM_MIN_ROWS * E and out_features % 8 == 0
             and in_features % 8 == 0 and grouped_mm_runs_on(index)):

@@ -212,7 +212,7 @@ def gemm_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
     dev = x.device
     if not is_tiled(packed):
         raise ValueError("gemm_out needs a tiled weight (uint8 packed; see ops.device_layout)")
-    if not dispatch.gemm_runs_on(dev.index if dev.index is not None else torch.cuda.current_device()):
+    if not dispatch.wgmma_runs_on(dev.index if dev.index is not None else torch.cuda.current_device()):
         raise RuntimeError(f"the tiled GEMM needs a compute capability 9.0 GPU; {dev} is not one")
     if x.dtype not in dispatch.GEMV_DTYPES or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(f"gemm_out takes fp16/bf16 x and a bias of x's dtype; got x {x.dtype}, bias "
@@ -289,7 +289,7 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
     M = x.numel() // in_features if in_features > 0 else 0
     if (is_tiled(packed) and dispatch.linear_uses_gemm(M, x.dtype, packed.shape[0], in_features)
             and x.shape[-1] == in_features
-            and (bias is None or bias.dtype == x.dtype) and dispatch.gemm_runs_on(x.get_device())):
+            and (bias is None or bias.dtype == x.dtype) and dispatch.wgmma_runs_on(x.get_device())):
         x2 = x.reshape(M, in_features)
         y = x.new_empty((M, packed.shape[0]))
         return gemm_out(x2, packed, absmax, scale, codebook, k, in_features, bias, y).reshape(*x.shape[:-1], -1)
@@ -352,7 +352,7 @@ def expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features
 def _expert_gemm(x, expert_ids, packed, absmax, scale, codebook, k, in_features):
     """The library's grouped expert GEMM (tensor cores, sm_90a): rows sorted and gathered by expert on the device."""
     if x.dtype not in dispatch.GEMV_DTYPES or not dispatch.expert_gemm_fits(in_features) \
-            or not dispatch.expert_gemm_runs_on(x.get_device()):
+            or not dispatch.wgmma_runs_on(x.get_device()):
         raise ValueError(f"expert_linear: the expert GEMM takes fp16 / bf16 x, in_features a multiple of 64 and a "
                          f"compute capability 9.0 GPU; got {x.dtype}, in_features={in_features} on {x.device}")
     _check_shapes(packed, absmax, scale, k, in_features)

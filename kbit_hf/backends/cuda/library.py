@@ -33,9 +33,8 @@ _SIGNATURES = {
     "kbit_gemv_tiled": [_vp, _i32, _i64, _vp, _vp, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _vp],
     "kbit_gemv_tiled_kernel": [_vp, _i32, _i64, _vp, _vp, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _i32, _vp],
     "kbit_gemm_tiled_workspace": [_i64, _i64, _i64],
-    "kbit_gemm_tiled_available": [],
+    "kbit_wgmma_available": [],
     "kbit_gemm_tiled": [_vp, _i32, _i64, _vp, _vp, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _vp, _i64, _vp],
-    "kbit_expert_gemm_available": [],
     "kbit_expert_gemm_workspace": [_i64, _i64, _i64],
     "kbit_expert_gemm": [_vp, _i32, _i64, _vp, _i64, _vp, _vp, _i32, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _i64, _vp],
 }
