@@ -304,8 +304,8 @@ def test_expert_linear(k, dtype, N, path, shape):
 def test_expert_gemm(k, dtype, N, shape):
     """The grouped tensor-core expert GEMM against the fp64 reference: `out` not a multiple of the 128-row CTA (40,
     136) nor of 16 (40, 24), `in` with a last half group of 64 (320, 2880, 64: nothing else), fp16 block scales
-    (2880), an expert with no rows, one expert with most rows, ids outside [0, E) (zero rows), 64, 128 and 256 rows per work item. The
-    output is poisoned before the call."""
+    (2880), an expert with no rows, one expert with most rows, ids outside [0, E) (zero rows), 64, 128 and 256 rows
+    per work item. The output is poisoned before the call."""
     if not dispatch.wgmma_runs_on(0):
         pytest.skip("the expert GEMM needs compute capability 9.0 and sm_90a code")
     E, (out_f, in_f) = 6, shape

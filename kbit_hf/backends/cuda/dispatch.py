@@ -117,8 +117,7 @@ def expert_gemm_fits(in_features: int) -> bool:
 def expert_linear_path(N: int, E: int, out_features: int, in_features: int, dtype: torch.dtype, index: int) -> str:
     """"gemm", "grouped_mm", "kernel" or "loop" (see the table above)."""
     if (dtype in GEMV_DTYPES and N >= EXPERT_GEMM_MIN_ROWS * E and E <= EXPERT_GEMM_MAX_E
-            and expert_gemm_fits(in_features)
-            and wgmma_runs_on(index)):
+            and expert_gemm_fits(in_features) and wgmma_runs_on(index)):
         return "gemm"
     if (dtype == torch.bfloat16 and N >= EXPERT_GROUPED_MM_MIN_ROWS * E and out_features % 8 == 0
             and in_features % 8 == 0 and grouped_mm_runs_on(index)):

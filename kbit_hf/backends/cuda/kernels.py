@@ -308,9 +308,8 @@ EXPERT_KERNELS = {"per_row": 1, "grouped": 2}  # csrc/kbit_api.h KBIT_EXPERT_* (
 
 def expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features, kernel: str = "auto"):
     """Row r = x[r] @ W[expert_ids[r]]^T; ids outside [0, E) give zero rows. `kernel` forces a path (tests,
-    benchmarks): "per_row" / "grouped" (the library's GEMV kernels), "gemm" (its grouped tensor-core GEMM), "grouped_mm",
-    "loop"; "auto": dispatch.py's choice,
-    and the library's between its kernels."""
+    benchmarks): "per_row" / "grouped" (the library's GEMV kernels), "gemm" (its grouped tensor-core GEMM),
+    "grouped_mm", "loop"; "auto": dispatch.py's choice, and the library's between its GEMV kernels."""
     _need("expert_linear", x, packed, absmax, scale)
     N = x.shape[0]
     E, out_f = packed.shape[0], packed.shape[1]
@@ -318,57 +317,41 @@ def expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features
     if N == 0:
         return x.new_zeros((0, out_f))
     if kernel not in ("auto", "gemm", "grouped_mm", "loop", *EXPERT_KERNELS):
-        raise ValueError(f"expert_linear: kernel must be auto, per_row, grouped, gemm, grouped_mm or loop, got {kernel!r}")
+        raise ValueError(
+            f"expert_linear: kernel must be auto, per_row, grouped, gemm, grouped_mm or loop, got {kernel!r}")
     path = kernel
     if kernel == "auto":
         path = dispatch.expert_linear_path(N, E, out_f, in_features, x.dtype, x.get_device())
     elif kernel in EXPERT_KERNELS:
         path = "kernel"
-    if path == "gemm":
-        return _expert_gemm(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
     if path == "grouped_mm":
         return _expert_grouped_mm(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
     if path == "loop":
         return _expert_loop(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
-    _check_shapes(packed, absmax, scale, k, in_features)
-    x = x.contiguous()
-    dev = x.device
-    ids = expert_ids.to(device=dev, dtype=torch.int64).contiguous()
-    y = torch.empty((N, out_f), dtype=x.dtype, device=dev)
-    ws_bytes = library.lib.kbit_expert_gemv_workspace(N, E)
-    ws = torch.empty((ws_bytes + 3) // 4, dtype=torch.int32, device=dev)  # the rows sorted by expert
-    # referenced until the launch (see gemm_out)
-    packed, absmax, scale, cb = packed.contiguous(), absmax.contiguous(), scale.contiguous(), _cb(codebook, dev, k)
-    with on_device(dev):
-        rc = library.lib.kbit_expert_gemv_kernel(x.data_ptr(), DTYPE_CODE[x.dtype], N, ids.data_ptr(), E,
-                                                 packed.data_ptr(), absmax.data_ptr(), _absmax_fp16(absmax),
-                                                 scale.data_ptr(), cb.data_ptr(), k, out_f, in_features, y.data_ptr(),
-                                                 ws.data_ptr(), ws_bytes, EXPERT_KERNELS.get(kernel, 0),
-                                                 stream_of(dev))
-    check(rc, "expert gemv")
-    return y
-
-
-def _expert_gemm(x, expert_ids, packed, absmax, scale, codebook, k, in_features):
-    """The library's grouped expert GEMM (tensor cores, sm_90a): rows sorted and gathered by expert on the device."""
-    if x.dtype not in dispatch.GEMV_DTYPES or not dispatch.expert_gemm_fits(in_features) \
-            or not dispatch.wgmma_runs_on(x.get_device()):
+    if path == "gemm" and (x.dtype not in dispatch.GEMV_DTYPES or not dispatch.expert_gemm_fits(in_features)
+                           or not dispatch.wgmma_runs_on(x.get_device())):
         raise ValueError(f"expert_linear: the expert GEMM takes fp16 / bf16 x, in_features a multiple of 64 and a "
                          f"compute capability 9.0 GPU; got {x.dtype}, in_features={in_features} on {x.device}")
     _check_shapes(packed, absmax, scale, k, in_features)
-    N, E, out_f = x.shape[0], packed.shape[0], packed.shape[1]
     x = x.contiguous()
     dev = x.device
     ids = expert_ids.to(device=dev, dtype=torch.int64).contiguous()
     y = torch.empty((N, out_f), dtype=x.dtype, device=dev)
-    ws_bytes = library.lib.kbit_expert_gemm_workspace(N, E, in_features)
-    ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev)  # the sorted rows and their activations
+    # the library's workspace: the rows sorted by expert (and, for the GEMM, their activations in that order)
+    ws_bytes = (library.lib.kbit_expert_gemm_workspace(N, E, in_features) if path == "gemm"
+                else library.lib.kbit_expert_gemv_workspace(N, E))
+    ws = torch.empty(ws_bytes, dtype=torch.uint8, device=dev)
+    # referenced until the launch (see gemm_out)
     packed, absmax, scale, cb = packed.contiguous(), absmax.contiguous(), scale.contiguous(), _cb(codebook, dev, k)
+    args = (x.data_ptr(), DTYPE_CODE[x.dtype], N, ids.data_ptr(), E, packed.data_ptr(), absmax.data_ptr(),
+            _absmax_fp16(absmax), scale.data_ptr(), cb.data_ptr(), k, out_f, in_features, y.data_ptr(), ws.data_ptr(),
+            ws_bytes)
     with on_device(dev):
-        rc = library.lib.kbit_expert_gemm(x.data_ptr(), DTYPE_CODE[x.dtype], N, ids.data_ptr(), E, packed.data_ptr(),
-                                          absmax.data_ptr(), _absmax_fp16(absmax), scale.data_ptr(), cb.data_ptr(), k,
-                                          out_f, in_features, y.data_ptr(), ws.data_ptr(), ws_bytes, stream_of(dev))
-    check(rc, "expert gemm")
+        if path == "gemm":
+            rc = library.lib.kbit_expert_gemm(*args, stream_of(dev))
+        else:
+            rc = library.lib.kbit_expert_gemv_kernel(*args, EXPERT_KERNELS.get(kernel, 0), stream_of(dev))
+    check(rc, "expert gemm" if path == "gemm" else "expert gemv")
     return y
 
 
