@@ -51,6 +51,25 @@ KBIT_API int kbit_expert_gemv_kernel(const void* x, int x_dtype, int64_t N, cons
                                      const float* codebook, int k, int64_t out, int64_t in, void* y, void* workspace,
                                      int64_t workspace_bytes, int kernel, void* stream);
 
+/* Fused MoE experts for few tokens, in the expert GEMV's per-row geometry. Row n = t * top_k + j of token t runs expert
+ * ids[n] (int64 [T * top_k]); ids outside [0, E) contribute nothing. x, bias, weights, h and y in x_dtype (float16 or
+ * bfloat16); the bit planes as kbit_expert_gemv reads them.
+ * kbit_moe_gate_up: h[n, i] = the gating of g = W[ids[n]] @ x[t] + bias[ids[n]] (W [E, out = 2I, in], bias [E, 2I] or
+ *   null): KBIT_GATE_SILU: SiLU(g[i]) * g[I + i]; KBIT_GATE_CLAMPED (gpt-oss): a = min(g[2i], limit),
+ *   b = clamp(g[2i + 1], -limit, limit), (b + 1) * a * sigmoid(alpha * a). h [T * top_k, I]; zero rows for ids
+ *   outside [0, E).
+ * kbit_moe_down: y[t, o] = sum_j weights[t, j] * ((W[ids[n]] @ h[n])[o] + bias[ids[n], o]) (W [E, out, in], bias
+ *   [E, out] or null, weights [T, top_k]); y [T, out]. */
+enum { KBIT_GATE_SILU = 1, KBIT_GATE_CLAMPED = 2 };
+KBIT_API int kbit_moe_gate_up(const void* x, int x_dtype, int64_t T, int64_t top_k, const int64_t* ids, int64_t E,
+                              const uint32_t* packed, const void* absmax, int absmax_fp16, const float* scale,
+                              const float* codebook, int k, int64_t out, int64_t in, const void* bias, int gate,
+                              float alpha, float limit, void* h, void* stream);
+KBIT_API int kbit_moe_down(const void* h, int x_dtype, int64_t T, int64_t top_k, const int64_t* ids,
+                           const void* weights, int64_t E, const uint32_t* packed, const void* absmax, int absmax_fp16,
+                           const float* scale, const float* codebook, int k, int64_t out, int64_t in,
+                           const void* bias, void* y, void* stream);
+
 /* The tiled layout of large K = 2..5 Linear weights (kbit_hf/backends/cuda/tiled.py, docs/design.md; out % 16 == 0,
  * in % 256 == 0, e4m4 block scales): wt uint8 [out, in * k / 8], at uint8 [out, in / 32], a permutation of packed
  * uint32 [out, in / 32 * k] and absmax uint8 [out, in / 32]. k: 2..5. */

@@ -486,7 +486,18 @@ struct ExpertRows {
   const int* order;    // [N] rows, bucket by bucket
   const int* offsets;  // [E + 2]: bucket b holds order[offsets[b] .. offsets[b + 1]); bucket E: ids outside [0, E)
   int64_t E;
+  // fused MoE experts (template FUSE): rows per token (row n is token n / top_k), the routing weights [T, top_k]
+  // (activation dtype; FUSE_SUM), the gating (FUSE_GATE: KBIT_GATE_SILU or KBIT_GATE_CLAMPED) and its constants
+  int top_k = 1;
+  const void* coef = nullptr;
+  int gate = 0;
+  float alpha = 0.f, limit = 0.f;
 };
+
+// gemv_kernel's FUSE modes (per-row expert mode, M = 1): none; FUSE_GATE: the gate and up rows of output j are the
+// MMA's rows g and g + 8 of a tile of 8 outputs, and the epilogue writes the gated activation; FUSE_SUM: a CTA row is
+// a token, whose top_k rows the warps walk as one long row, each step weighted by its row's routing weight.
+constexpr int FUSE_GATE = 1, FUSE_SUM = 2;
 
 __device__ __forceinline__ int expert_bucket(int64_t id, int E) { return id >= 0 && id < E ? (int)id : E; }
 
@@ -551,7 +562,7 @@ __global__ void __launch_bounds__(1024) expert_route_kernel(const int64_t* __res
 // and of the second 8 in column 4 + t, so D[g][t] + D[g + 8][4 + t] is row g's sum. Same decode, same bytes per
 // lane, 256-byte runs per row and step instead of 128, twice the CTAs: faster only where the 16-row grid leaves SMs
 // idle (gemv_fold).
-template <int K, typename T, int MODE, int NREG, int NT, bool FOLD = false, bool ROWMAP = false>
+template <int K, typename T, int MODE, int NREG, int NT, bool FOLD = false, bool ROWMAP = false, int FUSE = 0>
 __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
     const T* __restrict__ x, int M, const uint32_t* __restrict__ packed, const void* __restrict__ absmax, int fp16,
     const float* __restrict__ scale, const float* __restrict__ codebook, const T* __restrict__ bias,
@@ -569,7 +580,8 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
   const int cw = threadIdx.y * W + warp;                      // warp in the CTA
   const int tid = threadIdx.y * blockDim.x + threadIdx.x, nthreads = blockDim.x * blockDim.y;
   static_assert(!FOLD || NT == 1, "folded tiles are for M <= 4");
-  constexpr int TR = FOLD ? 8 : TILE;         // output rows per row group
+  static_assert(FUSE == 0 || (NT == 1 && !FOLD && !ROWMAP), "the fused modes are per-row modes");
+  constexpr int TR = FOLD || FUSE == FUSE_GATE ? 8 : TILE;  // output rows (FUSE_GATE: outputs j) per row group
   constexpr int SB = FOLD ? 2 * STEP : STEP;  // blocks per step
   constexpr int HB = FOLD ? STEP : 0;         // block offset of the MMA's rows 8..15
   const int64_t o0 = ((int64_t)blockIdx.x * blockDim.y + threadIdx.y) * TR;
@@ -594,16 +606,19 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
       return;
     }
     e = item[0];
+  } else if (FUSE == FUSE_SUM) {
+    yr = y + (int64_t)blockIdx.y * out;  // token blockIdx.y: its rows' experts are looked up per step
   } else if (er.ids != nullptr) {
     const int64_t n = blockIdx.y;
     const int64_t id = er.ids[n];
-    yr = y + n * out;
+    const int64_t yw = FUSE == FUSE_GATE ? out / 2 : out;
+    yr = y + n * yw;
     if (id < 0 || id >= er.E) {  // whole CTA: zero rows
-      if (threadIdx.x < TR && o0 + threadIdx.x < out) yr[o0 + threadIdx.x] = Cvt<T>::from_f(0.f);
+      if (threadIdx.x < TR && o0 + threadIdx.x < yw) yr[o0 + threadIdx.x] = Cvt<T>::from_f(0.f);
       return;
     }
     e = id;
-    xr = x + n * (int64_t)in;
+    xr = x + (FUSE == FUSE_GATE ? n / er.top_k : n) * (int64_t)in;
   }
   const int g = lane >> 2, q = lane & 3;
   const uint32_t c4 = (uint32_t)(lane & (C::R - 1)) * 4u;
@@ -611,10 +626,20 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
   // rows g and g + 8 of the tile, clamped into the matrix (rows past `out` compute garbage that is never written),
   // as 32-bit offsets from the first row read (the tile's first row, or the last row of the matrix for a row group
   // wholly past it)
-  const int64_t orow = o0 < out ? o0 : out - 1;
+  // (FUSE_GATE: offsets from the expert's first row, to the gate and up rows of output j = o0 + g, clamped)
+  int64_t orow;
+  uint32_t d0, d1;
+  if constexpr (FUSE == FUSE_GATE) {
+    const int64_t I = out >> 1, j = o0 + g < I ? o0 + g : I - 1;
+    orow = 0;
+    d0 = (uint32_t)(er.gate == KBIT_GATE_SILU ? j : 2 * j);
+    d1 = (uint32_t)(er.gate == KBIT_GATE_SILU ? I + j : 2 * j + 1);
+  } else {
+    orow = o0 < out ? o0 : out - 1;
+    d0 = (uint32_t)((o0 + g < out ? o0 + g : out - 1) - orow);
+    d1 = FOLD ? d0 : (uint32_t)((o0 + g + 8 < out ? o0 + g + 8 : out - 1) - orow);
+  }
   const int64_t rb = e * out + orow;
-  const uint32_t d0 = (uint32_t)((o0 + g < out ? o0 + g : out - 1) - orow);
-  const uint32_t d1 = FOLD ? d0 : (uint32_t)((o0 + g + 8 < out ? o0 + g + 8 : out - 1) - orow);
   const int64_t rw = (int64_t)nb * K;
   const uint32_t* __restrict__ wb = packed + rb * rw;
   const uint32_t ow0 = d0 * (uint32_t)rw, ow1 = d1 * (uint32_t)rw;
@@ -628,9 +653,19 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
 
   // full steps: SB blocks whose 32 columns all lie inside the row (x 16-byte aligned); the first step's loads are
   // issued before the pair table is built
-  const int nfs = vec ? (in / BLOCK) / SB : 0;
+  const int nfs = vec && FUSE != FUSE_SUM ? (in / BLOCK) / SB : 0;
   int st = warp;
   Buf cur;
+  // FUSE_SUM: step s is step s % spe of the token's row n0 + s / spe, whose expert's tile starts ew words / ea scale
+  // bytes after expert 0's (ids outside [0, E) read expert 0 with weight 0)
+  const int spe = (nb + SB - 1) / SB, total = er.top_k * spe;
+  const int64_t n0 = (int64_t)blockIdx.y * er.top_k, ew = out * rw, ea = out * (int64_t)nb * as;
+  const auto load_sum = [&](Buf& b, int s) {
+    const int64_t id = er.ids[n0 + s / spe], ec = id >= 0 && id < er.E ? id : 0;
+    load_step<K, true, 0>(b, wb + ec * ew, ow0, ow1, reinterpret_cast<const char*>(ab) + ec * ea, oa0, oa1, fp16,
+                          (s % spe) * SB, q, nb);
+  };
+  if (FUSE == FUSE_SUM && st < total) load_sum(cur, st);
   // main-loop pointers, at step st's first owned block
   const int64_t boff = (int64_t)st * SB + q;
   const uint32_t* __restrict__ pw0 = wb + ow0 + boff * K;
@@ -714,8 +749,31 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
       cur = nxt;
     }
   }
+  if constexpr (FUSE == FUSE_SUM) {
+    // the token's top_k rows as one long row, one step loaded ahead; each step's products enter the sum times its
+    // row's routing weight and its expert's scale
+#pragma unroll 1
+    for (; st < total; st += W) {
+      Buf nxt;
+      if (st + W < total) load_sum(nxt, st + W);
+      const int64_t n = n0 + st / spe, id = er.ids[n];
+      const int b0 = (st % spe) * SB;
+      const T* xn = x + n * (int64_t)in;
+      float part[4] = {0.f, 0.f, 0.f, 0.f};
+      if (vec && b0 + SB <= nb)
+        compute_step<K, T, false, MODE>(cur, xn, xn + (int64_t)(b0 + q) * BLOCK, xon, fp16, b0, q, nb, in, c4, tb, tl,
+                                        th, part);
+      else
+        compute_step<K, T, true, MODE>(cur, xn, xn, xon, fp16, b0, q, nb, in, c4, tb, tl, th, part);
+      const float c =
+          id >= 0 && id < er.E ? Cvt<T>::to_f(reinterpret_cast<const T*>(er.coef)[n]) * scale[id] : 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[0][i] += c * part[i];
+      cur = nxt;
+    }
+  }
   // the remaining blocks (fewer than SB, or all of them when x is not vector-loadable): checked, strided over warps
-  for (int s2 = nfs + warp; s2 * SB < nb; s2 += W) {
+  for (int s2 = nfs + warp; FUSE != FUSE_SUM && s2 * SB < nb; s2 += W) {
     Buf tb2;
     load_step<K, true, HB>(tb2, wb, ow0, ow1, ab, oa0, oa1, fp16, s2 * SB, q, nb);
     if constexpr (NT == 1)
@@ -747,6 +805,45 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
   if constexpr (FOLD) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) acc[0][i] += __shfl_down_sync(0xFFFFFFFFu, acc[0][2 + i], 2);
+  }
+  if constexpr (FUSE == FUSE_GATE) {
+    // lane (g, 0) holds token 0's gate (row g) and up (row g + 8) sums of output j
+    const int64_t j = o0 + g;
+    if (q != 0 || j >= out / 2) return;
+    const float sc = scale[e] * Mma<T>::POST;
+    float gt = acc[0][0] * sc, u = acc[0][2] * sc;
+    if (bias != nullptr) {
+      gt += Cvt<T>::to_f(bias[e * out + d0]);
+      u += Cvt<T>::to_f(bias[e * out + d1]);
+    }
+    float h;
+    if (er.gate == KBIT_GATE_SILU) {
+      h = gt / (1.f + __expf(-gt)) * u;
+    } else {
+      gt = fminf(gt, er.limit);
+      u = fminf(fmaxf(u, -er.limit), er.limit);
+      h = (u + 1.f) * (gt / (1.f + __expf(-er.alpha * gt)));
+    }
+    yr[j] = Cvt<T>::from_f(h);
+    return;
+  }
+  if constexpr (FUSE == FUSE_SUM) {
+    // token 0 (the CTA's token) is column 0: lanes (g, 0), rows g and g + 8; the biases enter times the weights
+    if (q != 0) return;
+#pragma unroll
+    for (int i = 0; i < 4; i += 2) {
+      const int64_t o = o0 + g + 8 * (i >> 1);
+      if (o >= out) continue;
+      float v = acc[0][i] * Mma<T>::POST;
+      if (bias != nullptr)
+        for (int kk = 0; kk < er.top_k; ++kk) {
+          const int64_t id = er.ids[n0 + kk];
+          if (id >= 0 && id < er.E)
+            v += Cvt<T>::to_f(reinterpret_cast<const T*>(er.coef)[n0 + kk]) * Cvt<T>::to_f(bias[id * out + o]);
+        }
+      yr[o] = Cvt<T>::from_f(v);
+    }
+    return;
   }
   const float sc = scale[e] * Mma<T>::POST;
 #pragma unroll
@@ -835,6 +932,58 @@ int launch_rows(int64_t M, const void* x, const uint32_t* packed, const void* ab
   }
 }
 
+// Fused MoE experts at few rows (kbit_moe_gate_up / kbit_moe_down): FUSE_GATE: a CTA row per expert row, tiles of 8
+// outputs (8 gate and 8 up weight rows); FUSE_SUM: a CTA row per token, 16-row tiles. CTA shapes: kbit_dispatch.h.
+template <int K, typename T, int FUSE>
+int launch_moe(const void* x, int64_t rows, const uint32_t* packed, const void* absmax, int fp16, const float* scale,
+               const float* cb, int64_t out, int64_t in, const void* bias, void* y, const ExpertRows& er,
+               cudaStream_t st) {
+  int dev = 0, sms = 0;
+  if (!current_device_sms(dev, sms)) return (int)cudaErrorInvalidDevice;
+  const int64_t nb = (in + 31) / 32;
+  // 32-bit word offsets inside an expert: its gate and up rows lie up to `out` rows apart
+  if (in > (int64_t)1 << 30 || rows > 65535 || out * nb * K >= ((int64_t)1 << 32))
+    return (int)cudaErrorInvalidConfiguration;
+  const int vec = (in % 8 == 0) && ((reinterpret_cast<uintptr_t>(x) & 15) == 0);
+  const int64_t outs = FUSE == FUSE_GATE ? out / 2 : out;
+  const int tr = FUSE == FUSE_GATE ? 8 : TILE;
+  const MoeCta c = FUSE == FUSE_GATE ? moe_gate_up_cta(nb)
+                                     : moe_down_cta((outs + tr - 1) / tr * rows, er.top_k * nb, sms);
+  const int64_t tiles = (outs + tr * c.rw - 1) / (tr * c.rw);
+  if (tiles > 0x7FFFFFFF) return (int)cudaErrorInvalidConfiguration;
+  constexpr int kMode = gemv_decode_mode(K, 1), kRegs = gemv_max_regs(1);
+  gemv_kernel<K, T, kMode, kRegs, 1, false, false, FUSE>
+      <<<dim3((unsigned)tiles, (unsigned)rows), dim3(c.warps * 32, c.rw), 0, st>>>(
+          reinterpret_cast<const T*>(x), 1, packed, absmax, fp16, scale, cb, reinterpret_cast<const T*>(bias),
+          reinterpret_cast<T*>(y), out, (int)in, (int)nb, er, vec);
+  return (int)cudaGetLastError();
+}
+
+template <int FUSE, typename T>
+int launch_moe_k(int k, const void* x, int64_t rows, const uint32_t* packed, const void* absmax, int fp16,
+                 const float* scale, const float* cb, int64_t out, int64_t in, const void* bias, void* y,
+                 const ExpertRows& er, cudaStream_t st) {
+  switch (k) {
+    case 2: return launch_moe<2, T, FUSE>(x, rows, packed, absmax, fp16, scale, cb, out, in, bias, y, er, st);
+    case 3: return launch_moe<3, T, FUSE>(x, rows, packed, absmax, fp16, scale, cb, out, in, bias, y, er, st);
+    case 4: return launch_moe<4, T, FUSE>(x, rows, packed, absmax, fp16, scale, cb, out, in, bias, y, er, st);
+    case 5: return launch_moe<5, T, FUSE>(x, rows, packed, absmax, fp16, scale, cb, out, in, bias, y, er, st);
+  }
+  return (int)cudaErrorInvalidValue;
+}
+
+template <int FUSE>
+int dispatch_moe(int x_dtype, int k, const void* x, int64_t rows, const uint32_t* packed, const void* absmax,
+                 int fp16, const float* scale, const float* cb, int64_t out, int64_t in, const void* bias, void* y,
+                 const ExpertRows& er, void* stream) {
+  cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+  if (x_dtype == BF16)
+    return launch_moe_k<FUSE, __nv_bfloat16>(k, x, rows, packed, absmax, fp16, scale, cb, out, in, bias, y, er, st);
+  if (x_dtype == F16)
+    return launch_moe_k<FUSE, __half>(k, x, rows, packed, absmax, fp16, scale, cb, out, in, bias, y, er, st);
+  return (int)cudaErrorInvalidValue;
+}
+
 // dense (ids == nullptr, N == 1), per-row experts or grouped experts (work: order [N] and offsets [E + 2], int32)
 template <int K, typename T>
 int launch(int64_t M, const void* x, int64_t N, const int64_t* ids, int64_t E, const uint32_t* packed,
@@ -920,6 +1069,36 @@ int kbit_expert_gemv_kernel(const void* x, int x_dtype, int64_t N, const int64_t
     return (int)cudaErrorInvalidValue;
   return dispatch(x_dtype, k, 1, x, N, ids, E, packed, absmax, absmax_fp16, scale, codebook, out, in, nullptr, y,
                   grouped, reinterpret_cast<int*>(workspace), stream);
+}
+
+int kbit_moe_gate_up(const void* x, int x_dtype, int64_t T, int64_t top_k, const int64_t* ids, int64_t E,
+                     const uint32_t* packed, const void* absmax, int absmax_fp16, const float* scale,
+                     const float* codebook, int k, int64_t out, int64_t in, const void* bias, int gate, float alpha,
+                     float limit, void* h, void* stream) {
+  if (ids == nullptr || E < 1 || T < 0 || top_k < 1 || top_k > 65535 || out < 0 || out % 2 != 0 || in < 1 ||
+      (gate != KBIT_GATE_SILU && gate != KBIT_GATE_CLAMPED))
+    return (int)cudaErrorInvalidValue;
+  if (T == 0 || out == 0) return 0;
+  ExpertRows er{ids, nullptr, nullptr, E};
+  er.top_k = (int)top_k;
+  er.gate = gate;
+  er.alpha = alpha;
+  er.limit = limit;
+  return dispatch_moe<FUSE_GATE>(x_dtype, k, x, T * top_k, packed, absmax, absmax_fp16, scale, codebook, out, in, bias,
+                                 h, er, stream);
+}
+
+int kbit_moe_down(const void* h, int x_dtype, int64_t T, int64_t top_k, const int64_t* ids, const void* weights,
+                  int64_t E, const uint32_t* packed, const void* absmax, int absmax_fp16, const float* scale,
+                  const float* codebook, int k, int64_t out, int64_t in, const void* bias, void* y, void* stream) {
+  if (ids == nullptr || weights == nullptr || E < 1 || T < 0 || top_k < 1 || top_k > 65535 || out < 0 || in < 1)
+    return (int)cudaErrorInvalidValue;
+  if (T == 0 || out == 0) return 0;
+  ExpertRows er{ids, nullptr, nullptr, E};
+  er.top_k = (int)top_k;
+  er.coef = weights;
+  return dispatch_moe<FUSE_SUM>(x_dtype, k, h, T, packed, absmax, absmax_fp16, scale, codebook, out, in, bias, y, er,
+                                stream);
 }
 
 int kbit_expert_gemv(const void* x, int x_dtype, int64_t N, const int64_t* ids, int64_t E, const uint32_t* packed,

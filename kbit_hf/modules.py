@@ -209,12 +209,28 @@ def is_fused_experts(module: nn.Module) -> bool:
     return up is not None and down is not None and up.dim() == 3 and down.dim() == 3
 
 
+def fused_gating(orig: nn.Module) -> tuple[str, float, float] | None:
+    """(gate, alpha, limit) of `kbit::moe_experts` that computes what an experts module's own gating does: SiLU(gate) *
+    up with gate_up split in halves (the transformers default), or gpt-oss's clamped SwiGLU; None for any other."""
+    if "gate_up_proj" not in orig._parameters or getattr(orig, "has_post_expert_norm", False):
+        return None
+    own = getattr(type(orig), "_apply_gate", None)
+    if own is None or own.__qualname__ == "_default_apply_gate":  # transformers' default: act_fn(gate) * up, halves
+        act = type(getattr(orig, "act_fn", None)).__name__
+        return ("silu", 0.0, 0.0) if act in ("SiLU", "SiLUActivation") else None
+    if own.__qualname__ == "GptOssExperts._apply_gate":
+        return "clamped", float(orig.alpha), float(orig.limit)
+    return None
+
+
 class KbitMoE(nn.Module):
     """Fused MoE experts with K-bit expert weights, replacing a transformers-5 `*Experts` module.
 
     Keeps the original module's attributes, parameter-free submodules and gating (`_apply_gate`, e.g. gpt-oss's
     clamped SwiGLU), and its float biases. Weights are stored [E, out, in] even where the model keeps them
-    transposed (gpt-oss). The forward has fixed shapes (no data-dependent Python control flow), so it traces.
+    transposed (gpt-oss). The forward has fixed shapes (no data-dependent Python control flow), so it traces. Where
+    the device's backend fuses a whole block of few rows (`ops.fuses_moe`) and the gating is one it knows
+    (`fused_gating`), the block is one `kbit::moe_experts` call.
     """
 
     def __init__(self, orig: nn.Module, k: int, absmax_format: str, codebook: torch.Tensor, *, pre_quantized: bool):
@@ -247,6 +263,7 @@ class KbitMoE(nn.Module):
             else:
                 self.register_parameter(name, p)
         self.num_experts = int(getattr(orig, "num_experts", dict(orig.named_parameters())[self.quantized_names[0]].shape[0]))
+        self.fused_gating = fused_gating(orig)
         self.is_shard = False  # holds one tensor-parallel shard of every expert (in_features: the shard's widths)
         self._is_hf_initialized = True
 
@@ -294,6 +311,9 @@ class KbitMoE(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         num_tokens, top_k = x.shape[0], top_k_index.shape[-1]
+        if self.fused_gating is not None and not self.is_shard and ops.fuses_moe(x, num_tokens * top_k, self.num_experts):
+            return self._fused_forward(x, top_k_index.reshape(num_tokens, top_k),
+                                       top_k_weights.reshape(num_tokens, top_k)).view(shape)
         expert_ids = top_k_index.reshape(-1)
         # Indices >= num_experts are expert-parallel sentinels: their rows contribute nothing.
         valid = (expert_ids >= 0) & (expert_ids < self.num_experts)
@@ -308,6 +328,15 @@ class KbitMoE(nn.Module):
         weights = top_k_weights.reshape(-1).float() * valid
         out = (out.float() * weights.unsqueeze(-1)).view(num_tokens, top_k, -1).sum(dim=1)
         return out.to(hidden_states.dtype).view(shape)
+
+    def _fused_forward(self, x, top_k_index, top_k_weights):
+        def weight(name):
+            return (getattr(self, name), getattr(self, name + "_absmax"), getattr(self, name + "_scale"),
+                    getattr(self, name + "_codebook"))
+
+        bias = (getattr(self, "gate_up_proj_bias"), getattr(self, "down_proj_bias")) if self.has_bias else (None, None)
+        return ops.moe_experts_forward(x, top_k_index, top_k_weights, weight("gate_up_proj"), bias[0],
+                                       weight("down_proj"), bias[1], self.k, *self.fused_gating)
 
     def dequantized_weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         refuse_shard(self, "dequantized_weight")

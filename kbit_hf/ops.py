@@ -11,6 +11,7 @@ Signatures (weights [..., out, in], see kbit_hf/format.py):
   linear(x, packed, absmax, scale, codebook, k, in_features, bias?) -> x @ W^T + bias
   expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features) -> per-row expert matmul
   expert_linear_grad_input(grad, expert_ids, packed, absmax, scale, codebook, k, in_features) -> its input gradient
+  moe_experts(x, top_k_index, top_k_weights, gate_up..., down..., k, gate, alpha, limit) -> a whole experts block
 """
 
 from __future__ import annotations
@@ -158,22 +159,63 @@ def _expert_linear_backward(ctx, grad):
 expert_linear.register_autograd(_expert_linear_backward, setup_context=_expert_linear_setup_context)
 
 
+@torch.library.custom_op("kbit::moe_experts", mutates_args=())
+def moe_experts(
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_packed: torch.Tensor,
+    gate_up_absmax: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    gate_up_codebook: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down_packed: torch.Tensor,
+    down_absmax: torch.Tensor,
+    down_scale: torch.Tensor,
+    down_codebook: torch.Tensor,
+    down_bias: torch.Tensor | None,
+    k: int,
+    gate: str,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    """A whole MoE experts block [T, H] -> [T, H_out] with its gating ("silu" or "clamped": reference.gate_activation)
+    and the routing-weighted sum over the top-k: what a backend fuses for few tokens (inference only)."""
+    return reference.moe_experts(x, top_k_index, top_k_weights,
+                                 (gate_up_packed, gate_up_absmax, gate_up_scale, gate_up_codebook), gate_up_bias,
+                                 (down_packed, down_absmax, down_scale, down_codebook), down_bias, k, gate, alpha,
+                                 limit)
+
+
+@moe_experts.register_fake
+def _(x, top_k_index, top_k_weights, gate_up_packed, gate_up_absmax, gate_up_scale, gate_up_codebook, gate_up_bias,
+      down_packed, down_absmax, down_scale, down_codebook, down_bias, k, gate, alpha, limit):
+    return x.new_empty((x.shape[0], down_packed.shape[1]))
+
+
 # ---- backends --------------------------------------------------------------------------------------------------
 
-_OPS = {"quantize": quantize, "dequantize": dequantize, "linear": linear, "expert_linear": expert_linear}
+_OPS = {"quantize": quantize, "dequantize": dequantize, "linear": linear, "expert_linear": expert_linear,
+        "moe_experts": moe_experts}
 # device type -> direct callables for eager, no-grad calls (they skip the dispatcher's Python cost; under
 # torch.compile or autograd the custom ops above are what runs)
 _EAGER_LINEAR: dict[str, Callable] = {}
 _EAGER_EXPERT_LINEAR: dict[str, Callable] = {}
+# device type -> (the fused experts block, whether it runs for (rows, dtype)); devices without one run KbitMoE's
+# per-projection path
+_MOE_EXPERTS: dict[str, tuple[Callable, Callable]] = {}
 
 
 def register_backend(device_type: str, *, quantize: Callable, dequantize: Callable, linear: Callable,
                      expert_linear: Callable, eager_linear: Callable | None = None,
-                     eager_expert_linear: Callable | None = None) -> None:
+                     eager_expert_linear: Callable | None = None, moe_experts: Callable | None = None,
+                     fuses_moe: Callable | None = None) -> None:
     """Make a backend's implementations the ops' kernels for tensors on `device_type` ("cuda", "cpu", ...).
 
     Each callable has its op's signature. `eager_linear` / `eager_expert_linear` are optional direct paths that
-    `linear_forward` / `expert_linear_forward` call for eager inference (no autograd, not compiling)."""
+    `linear_forward` / `expert_linear_forward` call for eager inference (no autograd, not compiling). `moe_experts`
+    (the `kbit::moe_experts` op's kernel) with `fuses_moe(rows, experts, dtype)`: the calls for which KbitMoE runs
+    it."""
     for name, fn in (("quantize", quantize), ("dequantize", dequantize), ("linear", linear),
                      ("expert_linear", expert_linear)):
         torch.library.register_kernel(_OPS[name], device_type, fn)
@@ -182,6 +224,11 @@ def register_backend(device_type: str, *, quantize: Callable, dequantize: Callab
             table.pop(device_type, None)
         else:
             table[device_type] = fn
+    if moe_experts is None or fuses_moe is None:
+        _MOE_EXPERTS.pop(device_type, None)
+    else:
+        torch.library.register_kernel(_OPS["moe_experts"], device_type, moe_experts)
+        _MOE_EXPERTS[device_type] = (moe_experts, fuses_moe)
 
 
 def _device_type(x) -> str:
@@ -208,6 +255,23 @@ def expert_linear_forward(x, expert_ids, packed, absmax, scale, codebook, k: int
     if fast is not None and _eager(x):
         return fast(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
     return torch.ops.kbit.expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
+
+
+def fuses_moe(x, rows: int, experts: int) -> bool:
+    """The backend of x's device runs a whole experts block of `rows` rows (tokens x top-k) over `experts` experts as
+    `kbit::moe_experts` (inference only: the op has no autograd formula)."""
+    entry = _MOE_EXPERTS.get(_device_type(x))
+    return (entry is not None and not (x.requires_grad and torch.is_grad_enabled())
+            and entry[1](rows, experts, x.dtype))
+
+
+def moe_experts_forward(x, top_k_index, top_k_weights, gate_up: tuple, gate_up_bias, down: tuple, down_bias, k: int,
+                        gate: str, alpha: float, limit: float):
+    """What KbitMoE runs where `fuses_moe`: the backend's kernel directly in eager mode, else the op."""
+    args = (x, top_k_index, top_k_weights, *gate_up, gate_up_bias, *down, down_bias, k, gate, alpha, limit)
+    if not torch.compiler.is_compiling():
+        return _MOE_EXPERTS[_device_type(x)][0](*args)
+    return torch.ops.kbit.moe_experts(*args)
 
 
 # ---- in-memory layouts -----------------------------------------------------------------------------------------

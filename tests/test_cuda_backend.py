@@ -85,3 +85,11 @@ def test_which_expert_path_runs(monkeypatch, gemm):
     assert path(hi, in_f=2080) == "grouped_mm"  # not a multiple of 64
     assert path(hi, e=dispatch.EXPERT_GEMM_MAX_E + 1) == "grouped_mm"
     assert path(hi, torch.float32) == "loop"
+
+
+def test_which_moe_blocks_run_fused():
+    """dispatch.moe_fused: fp16 / bf16 blocks of at most max(8, E / 4) rows (tokens x top-k)."""
+    bf16 = torch.bfloat16
+    assert dispatch.moe_fused(8, 8, bf16) and not dispatch.moe_fused(9, 8, bf16)  # Mixtral: up to 4 tokens
+    assert dispatch.moe_fused(32, 128, torch.float16) and not dispatch.moe_fused(33, 128, bf16)  # Qwen3: 4 tokens
+    assert not dispatch.moe_fused(0, 8, bf16) and not dispatch.moe_fused(1, 8, torch.float32)

@@ -4,8 +4,8 @@
     PYTHONPATH=. compute-sanitizer --tool racecheck --error-exitcode 1 python tools/sanitize_driver.py --sync
 
 Bit planes (K = 2..5, both block-scale formats): quantize, dequantize, the fused GEMV (M <= 8, the token tiles up to
-M = 64, the folded 8-row tiles), dequantize + cuBLAS (M = 65), the per-row expert GEMV, the grouped expert path and
-(on sm_90) the grouped expert GEMM.
+M = 64, the folded 8-row tiles), dequantize + cuBLAS (M = 65), the per-row expert GEMV, the grouped expert path,
+(on sm_90) the grouped expert GEMM, and the fused experts block (both gatings, with and without biases).
 Tiled layout (K = 2..5, e4m4): tile, untile, dequantize, and on sm_90 the tiled GEMV and GEMM, the library's choice
 through kernels.linear and every GEMV variant of kernels.TILED_KERNELS forced through kernels.linear_out. Prints the calls per
 family; the sanitizer's exit code says whether any of them misbehaved. Arguments narrow the run (--help). Under
@@ -80,11 +80,29 @@ def bit_planes(calls: Counter, ks) -> None:
                 calls["expert gemv, grouped"] += 1
             if dispatch.wgmma_runs_on(torch.cuda.current_device()):
                 _expert_gemm(calls, k, cb, af)
+            if shape == PLANE_SHAPES[-1]:
+                _moe_experts(calls, k, cb, af)
             if af == "e4m4":  # the per-expert loop (dequantize + cuBLAS)
                 x = torch.randn(70, shape[-1], device="cuda", dtype=torch.float32)
                 ids = torch.randint(-1, shape[0] + 1, (70,), device="cuda")
                 kernels.expert_linear(x, ids, p, a, s, cb, k, shape[-1])
                 calls["expert linear, per-expert loop"] += 1
+
+
+def _moe_experts(calls: Counter, k, cb, af) -> None:
+    """The fused experts block: 2 and 3 tokens of top-3 over 5 experts (sentinel ids included), hidden 100 (a partial
+    block), intermediate 37 (a partial tile and block), 36 outputs (a partial 16-row tile)."""
+    E, hidden, inter, out_f = 5, 100, 37, 36
+    gu = kernels.quantize(torch.randn(E, 2 * inter, hidden, device="cuda"), cb, k, af) + (cb,)
+    dn = kernels.quantize(torch.randn(E, out_f, inter, device="cuda"), cb, k, af) + (cb,)
+    for xdt, gate, T in itertools.product(X_DTYPES, kernels.MOE_GATES, (2, 3)):
+        x = torch.randn(T, hidden, device="cuda", dtype=xdt)
+        ids = torch.randint(-1, E + 1, (T, 3), device="cuda")
+        w = torch.rand(T, 3, device="cuda", dtype=xdt)
+        biases = (torch.randn(E, 2 * inter, device="cuda", dtype=xdt), torch.randn(E, out_f, device="cuda", dtype=xdt))
+        gb, db = biases if gate == "clamped" else (None, None)
+        kernels.moe_experts(x, ids, w, *gu, gb, *dn, db, k, gate, 1.702, 7.0)
+        calls["moe experts (2 kernels)"] += 1
 
 
 def _expert_gemm(calls: Counter, k, cb, af) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-I32, I64, PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+I32, I64, F32, PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 # where `pip install .` puts the libraries (CMakeLists.txt: install ... DESTINATION kbit_hf/_lib)
 LIB_DIR = Path(__file__).resolve().parents[1] / "_lib"

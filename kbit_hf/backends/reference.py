@@ -130,3 +130,51 @@ def rows_by_expert(expert_ids: torch.Tensor, num_experts: int):
     valid = (expert_ids >= 0) & (expert_ids < num_experts)
     for e in torch.unique(expert_ids[valid]).tolist():
         yield e, (expert_ids == e).nonzero().squeeze(-1)
+
+
+def gate_activation(g: torch.Tensor, gate: str, alpha: float, limit: float) -> torch.Tensor:
+    """The gated activation of the gate_up rows g [N, 2I] (what `kbit::moe_experts` fuses): "silu": SiLU(gate) * up,
+    gate the first I columns and up the last I (Qwen3-MoE, Mixtral); "clamped": gpt-oss's SwiGLU, gate the even
+    columns and up the odd ones, gate clamped above at `limit`, up to [-limit, limit], (up + 1) * gate *
+    sigmoid(alpha * gate)."""
+    if gate == "silu":
+        a, b = g.chunk(2, dim=-1)
+        return F.silu(a) * b
+    if gate == "clamped":
+        a, b = g[..., ::2].clamp(max=limit), g[..., 1::2].clamp(-limit, limit)
+        return (b + 1) * (a * torch.sigmoid(alpha * a))
+    raise ValueError(f"moe_experts: gate must be 'silu' or 'clamped', got {gate!r}")
+
+
+def moe_experts(
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: tuple,
+    gate_up_bias: torch.Tensor | None,
+    down: tuple,
+    down_bias: torch.Tensor | None,
+    k: int,
+    gate: str,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    """A MoE experts block: token t's rows run experts top_k_index[t] (ids outside [0, E) contribute nothing), each
+    gate_up row (+ bias) gated (gate_activation) and rounded to x's dtype, then down (+ bias), summed over the top-k
+    weighted by top_k_weights (in x's dtype), in float32; returned in x's dtype. gate_up / down: (packed, absmax,
+    scale, codebook) of weights [E, 2I, H] and [E, H_out, I]."""
+    T, top_k = top_k_index.shape
+    E = gate_up[0].shape[0]
+    inter = gate_up[0].shape[1] // 2
+    ids = top_k_index.reshape(-1)
+    valid = ((ids >= 0) & (ids < E)).unsqueeze(-1)
+    safe = ids.clamp(0, E - 1)
+    g = expert_linear(x.float().repeat_interleave(top_k, dim=0), ids, *gate_up, k, x.shape[-1])
+    if gate_up_bias is not None:
+        g = g + gate_up_bias[safe].float()
+    h = (gate_activation(g, gate, alpha, limit).to(x.dtype) * valid).float()
+    d = expert_linear(h, ids, *down, k, inter)
+    if down_bias is not None:
+        d = d + down_bias[safe].float()
+    w = top_k_weights.reshape(-1, 1).to(x.dtype).float() * valid
+    return (d * w).view(T, top_k, -1).sum(dim=1).to(x.dtype)

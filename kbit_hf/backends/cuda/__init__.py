@@ -15,7 +15,7 @@ import warnings
 
 from ... import ops
 from .. import reference
-from . import kernels, library
+from . import dispatch, kernels, library
 from .library import available, library_path, load_error
 from .tiled import TiledLayout
 
@@ -50,7 +50,8 @@ def register() -> None:
     if library.available():
         ops.register_backend("cuda", quantize=kernels.quantize, dequantize=kernels.dequantize, linear=kernels.linear,
                              expert_linear=kernels.expert_linear, eager_linear=kernels.linear,
-                             eager_expert_linear=kernels.expert_linear)
+                             eager_expert_linear=kernels.expert_linear, moe_experts=kernels.moe_experts,
+                             fuses_moe=dispatch.moe_fused)
         ops.register_layout(TiledLayout())
     else:
         ops.register_backend("cuda", quantize=_with_warning(reference.quantize),

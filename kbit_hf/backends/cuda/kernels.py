@@ -355,6 +355,77 @@ def expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features
     return y
 
 
+MOE_GATES = {"silu": 1, "clamped": 2}  # csrc/kbit_api.h KBIT_GATE_*
+
+
+def moe_experts_out(x, top_k_index, top_k_weights, gate_up: tuple, gate_up_bias, down: tuple, down_bias, k: int,
+                    gate: str, alpha: float, limit: float, h, y):
+    """The fused experts block (ops.moe_experts) into given tensors: h [T * top_k, I] (the gated activations), y [T,
+    H_out], both x's dtype. x [T, H] fp16 / bf16; gate_up / down: (packed, absmax, scale, codebook) in bit planes.
+    Two library kernels, no allocation, no synchronisation (CUDA-graph safe)."""
+    gu_p, gu_a, gu_s, gu_cb = gate_up
+    d_p, d_a, d_s, d_cb = down
+    _need("moe_experts", x, top_k_index, top_k_weights, gu_p, gu_a, gu_s, gate_up_bias, d_p, d_a, d_s, down_bias, h,
+          y)
+    fmt.check_k(k)
+    if x.dtype not in dispatch.GEMV_DTYPES:
+        raise ValueError(f"moe_experts: the fused kernels take fp16 / bf16 activations, got {x.dtype}")
+    if gate not in MOE_GATES:
+        raise ValueError(f"moe_experts: gate must be one of {sorted(MOE_GATES)}, got {gate!r}")
+    T, top_k = top_k_index.shape
+    E, two_i = gu_p.shape[0], gu_p.shape[1]
+    hidden, inter, out_f = x.shape[-1], two_i // 2, d_p.shape[1]
+    _check_shapes(gu_p, gu_a, gu_s, k, hidden)
+    _check_shapes(d_p, d_a, d_s, k, inter)
+    if gu_p.dim() != 3 or d_p.dim() != 3 or d_p.shape[0] != E or two_i % 2:
+        raise ValueError(f"moe_experts: gate_up {tuple(gu_p.shape)} and down {tuple(d_p.shape)} must be [E, 2I, .] "
+                         "and [E, H_out, .] bit planes of the same E")
+    want = {"x": (x, (T, hidden)), "top_k_weights": (top_k_weights, (T, top_k)), "h": (h, (T * top_k, inter)),
+            "y": (y, (T, out_f)), "gate_up_bias": (gate_up_bias, (E, two_i)), "down_bias": (down_bias, (E, out_f))}
+    for name, (t, shape) in want.items():
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"moe_experts: {name} has shape {tuple(t.shape)}, expected {shape}")
+    for name, t in (("h", h), ("y", y)):
+        if t.dtype != x.dtype or not t.is_contiguous():
+            raise ValueError(f"moe_experts: {name} must be a contiguous {x.dtype} tensor, got {t.dtype}")
+    dev = x.device
+    x = x.contiguous()
+    ids = top_k_index.to(device=dev, dtype=torch.int64).contiguous()
+    w = top_k_weights.to(device=dev, dtype=x.dtype).contiguous()
+    gu_b = None if gate_up_bias is None else gate_up_bias.to(x.dtype).contiguous()
+    d_b = None if down_bias is None else down_bias.to(x.dtype).contiguous()
+    gu_p, gu_a, gu_s, d_p, d_a, d_s = (t.contiguous() for t in (gu_p, gu_a, gu_s, d_p, d_a, d_s))
+    gu_cb, d_cb = _cb(gu_cb, dev, k), _cb(d_cb, dev, k)
+    code, stream = DTYPE_CODE[x.dtype], stream_of(dev)
+    with on_device(dev):
+        rc = library.lib.kbit_moe_gate_up(x.data_ptr(), code, T, top_k, ids.data_ptr(), E, gu_p.data_ptr(),
+                                          gu_a.data_ptr(), _absmax_fp16(gu_a), gu_s.data_ptr(), gu_cb.data_ptr(), k,
+                                          two_i, hidden, 0 if gu_b is None else gu_b.data_ptr(), MOE_GATES[gate],
+                                          float(alpha), float(limit), h.data_ptr(), stream)
+        check(rc, "moe gate_up")
+        rc = library.lib.kbit_moe_down(h.data_ptr(), code, T, top_k, ids.data_ptr(), w.data_ptr(), E, d_p.data_ptr(),
+                                       d_a.data_ptr(), _absmax_fp16(d_a), d_s.data_ptr(), d_cb.data_ptr(), k, out_f,
+                                       inter, 0 if d_b is None else d_b.data_ptr(), y.data_ptr(), stream)
+    check(rc, "moe down")
+    return y
+
+
+def moe_experts(x, top_k_index, top_k_weights, gu_packed, gu_absmax, gu_scale, gu_codebook, gate_up_bias, d_packed,
+                d_absmax, d_scale, d_codebook, down_bias, k, gate, alpha, limit):
+    """ops.moe_experts on CUDA: the two fused kernels for fp16 / bf16 x, the reference otherwise."""
+    gate_up, down = (gu_packed, gu_absmax, gu_scale, gu_codebook), (d_packed, d_absmax, d_scale, d_codebook)
+    if x.dtype not in dispatch.GEMV_DTYPES:
+        from ..reference import moe_experts as reference_moe_experts
+
+        return reference_moe_experts(x, top_k_index, top_k_weights, gate_up, gate_up_bias, down, down_bias, k, gate,
+                                     alpha, limit)
+    T, top_k = top_k_index.shape
+    h = torch.empty((T * top_k, gu_packed.shape[1] // 2), dtype=x.dtype, device=x.device)
+    y = torch.empty((T, d_packed.shape[1]), dtype=x.dtype, device=x.device)
+    return moe_experts_out(x, top_k_index, top_k_weights, gate_up, gate_up_bias, down, down_bias, k, gate, alpha,
+                           limit, h, y)
+
+
 def _expert_grouped_mm(x, expert_ids, packed, absmax, scale, codebook, k, in_features):
     """Every expert dequantized to x's dtype, the rows sorted by expert on the device (ids outside [0, E) last, their
     rows zero), one torch._grouped_mm. No host sync."""
