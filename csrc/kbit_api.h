@@ -70,6 +70,14 @@ KBIT_API int kbit_moe_down(const void* h, int x_dtype, int64_t T, int64_t top_k,
                            const float* scale, const float* codebook, int k, int64_t out, int64_t in,
                            const void* bias, void* y, void* stream);
 
+/* A MoE router's selection from its logits [tokens, E] (float32, float16 or bfloat16; E <= KBIT_ROUTER_MAX_E,
+ * 1 <= k <= min(E, 32)): ids int64 [tokens, k] in descending order of weight (ties: the lower id), weights [tokens, k]
+ * in weights_dtype. KBIT_ROUTER_SOFTMAX_TOPK: the softmax over E (fp32), its k largest, divided by their sum when
+ * renorm (Qwen3-MoE, Mixtral); KBIT_ROUTER_TOPK_SOFTMAX: the k largest logits, then the softmax over them (gpt-oss). */
+enum { KBIT_ROUTER_SOFTMAX_TOPK = 1, KBIT_ROUTER_TOPK_SOFTMAX = 2, KBIT_ROUTER_MAX_E = 2048 };
+KBIT_API int kbit_router_topk(const void* logits, int dtype, int64_t tokens, int64_t E, int64_t k, int mode,
+                              int renorm, int64_t* ids, void* weights, int weights_dtype, void* stream);
+
 /* The tiled layout of large K = 2..5 Linear weights (kbit_hf/backends/cuda/tiled.py, docs/design.md; out % 16 == 0,
  * in % 256 == 0, e4m4 block scales): wt uint8 [out, in * k / 8], at uint8 [out, in / 32], a permutation of packed
  * uint32 [out, in / 32 * k] and absmax uint8 [out, in / 32]. k: 2..5. */

@@ -8,7 +8,10 @@ casts the incoming checkpoint tensor to it and hands it to `quantize_param`, whi
 
 from __future__ import annotations
 
+import types
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import format as fmt
@@ -221,6 +224,57 @@ def fused_gating(orig: nn.Module) -> tuple[str, float, float] | None:
     if own.__qualname__ == "GptOssExperts._apply_gate":
         return "clamped", float(orig.alpha), float(orig.limit)
     return None
+
+
+# the selections `kbit::router_topk` computes: (mode, renorm)
+_ROUTER_MODES = (("softmax_topk", True), ("softmax_topk", False), ("topk_softmax", False))
+
+
+def fuse_router(router: nn.Module) -> bool:
+    """Give a MoE router (a module with `weight`, `top_k` and `hidden_dim` whose forward returns (logits, weights,
+    ids)) a forward that selects through `kbit::router_topk` (one kernel instead of softmax, top-k and the
+    renormalisation), for inference. Installed only where one of the op's modes, computed in torch's ops, reproduces
+    the router's own forward exactly on a probe input (same ids, bitwise the same weights and dtype), so routers with
+    other semantics keep theirs. (A renormalised softmax top-k and a softmax over the top-k are the same function:
+    either may be picked for the other.) Returns whether it was installed."""
+    weight = getattr(router, "weight", None)
+    if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.device.type == "meta"
+            or not isinstance(getattr(router, "top_k", None), int) or getattr(router, "hidden_dim", None) is None):
+        return False
+    g = torch.Generator(device=weight.device).manual_seed(0)
+    probe = torch.randn(16, router.hidden_dim, generator=g, device=weight.device).to(weight.dtype)
+    try:
+        with torch.no_grad():
+            out = type(router).forward(router, probe)
+    except Exception:  # noqa: BLE001 - a forward this probe cannot drive is simply left alone
+        return False
+    if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
+        return False
+    logits, weights, ids = out
+    for mode, renorm in _ROUTER_MODES:
+        w, i = ops.router_topk_in_torch(logits, router.top_k, mode, renorm, weights.dtype)
+        if torch.equal(i, ids) and w.dtype == weights.dtype and torch.equal(w, weights):
+            router._kbit_router = (mode, renorm, weights.dtype == logits.dtype)
+            router.forward = types.MethodType(_fused_router_forward, router)
+            return True
+    return False
+
+
+def unfuse_router(router: nn.Module) -> bool:
+    """Give a router that fuse_router changed its own forward back. Returns whether it had the fused one."""
+    if not hasattr(router, "_kbit_router"):
+        return False
+    del router.forward, router._kbit_router
+    return True
+
+
+def _fused_router_forward(self, hidden_states):
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad):
+        return type(self).forward(self, hidden_states)  # the op has no autograd formula
+    mode, renorm, cast = self._kbit_router
+    logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight, getattr(self, "bias", None))
+    weights, ids = ops.router_topk(logits, self.top_k, mode, renorm, logits.dtype if cast else torch.float32)
+    return logits, weights, ids
 
 
 class KbitMoE(nn.Module):

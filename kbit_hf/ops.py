@@ -12,6 +12,7 @@ Signatures (weights [..., out, in], see kbit_hf/format.py):
   expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features) -> per-row expert matmul
   expert_linear_grad_input(grad, expert_ids, packed, absmax, scale, codebook, k, in_features) -> its input gradient
   moe_experts(x, top_k_index, top_k_weights, gate_up..., down..., k, gate, alpha, limit) -> a whole experts block
+  router_topk(logits, k, mode, renorm, out_dtype) -> (weights, ids) of a MoE router
 """
 
 from __future__ import annotations
@@ -193,10 +194,29 @@ def _(x, top_k_index, top_k_weights, gate_up_packed, gate_up_absmax, gate_up_sca
     return x.new_empty((x.shape[0], down_packed.shape[1]))
 
 
+@torch.library.custom_op("kbit::router_topk", mutates_args=())
+def router_topk(logits: torch.Tensor, k: int, mode: str, renorm: bool,
+                out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE router's routing weights and expert ids from its logits (reference.router_topk)."""
+    return reference.router_topk(logits, k, mode, renorm, out_dtype)
+
+
+@router_topk.register_fake
+def _(logits, k, mode, renorm, out_dtype):
+    shape = (*logits.shape[:-1], k)
+    return logits.new_empty(shape, dtype=out_dtype), logits.new_empty(shape, dtype=torch.int64)
+
+
+def router_topk_in_torch(logits, k: int, mode: str, renorm: bool, out_dtype: torch.dtype):
+    """`router_topk`'s semantics in torch's own ops on any device: bitwise what a transformers router with that
+    selection computes (what KbitMoE's routers are probed against)."""
+    return reference.router_topk(logits, k, mode, renorm, out_dtype)
+
+
 # ---- backends --------------------------------------------------------------------------------------------------
 
 _OPS = {"quantize": quantize, "dequantize": dequantize, "linear": linear, "expert_linear": expert_linear,
-        "moe_experts": moe_experts}
+        "moe_experts": moe_experts, "router_topk": router_topk}
 # device type -> direct callables for eager, no-grad calls (they skip the dispatcher's Python cost; under
 # torch.compile or autograd the custom ops above are what runs)
 _EAGER_LINEAR: dict[str, Callable] = {}
@@ -209,13 +229,13 @@ _MOE_EXPERTS: dict[str, tuple[Callable, Callable]] = {}
 def register_backend(device_type: str, *, quantize: Callable, dequantize: Callable, linear: Callable,
                      expert_linear: Callable, eager_linear: Callable | None = None,
                      eager_expert_linear: Callable | None = None, moe_experts: Callable | None = None,
-                     fuses_moe: Callable | None = None) -> None:
+                     fuses_moe: Callable | None = None, router_topk: Callable | None = None) -> None:
     """Make a backend's implementations the ops' kernels for tensors on `device_type` ("cuda", "cpu", ...).
 
     Each callable has its op's signature. `eager_linear` / `eager_expert_linear` are optional direct paths that
     `linear_forward` / `expert_linear_forward` call for eager inference (no autograd, not compiling). `moe_experts`
     (the `kbit::moe_experts` op's kernel) with `fuses_moe(rows, experts, dtype)`: the calls for which KbitMoE runs
-    it."""
+    it. `router_topk`: the `kbit::router_topk` op's kernel."""
     for name, fn in (("quantize", quantize), ("dequantize", dequantize), ("linear", linear),
                      ("expert_linear", expert_linear)):
         torch.library.register_kernel(_OPS[name], device_type, fn)
@@ -229,6 +249,8 @@ def register_backend(device_type: str, *, quantize: Callable, dequantize: Callab
     else:
         torch.library.register_kernel(_OPS["moe_experts"], device_type, moe_experts)
         _MOE_EXPERTS[device_type] = (moe_experts, fuses_moe)
+    if router_topk is not None:
+        torch.library.register_kernel(_OPS["router_topk"], device_type, router_topk)
 
 
 def _device_type(x) -> str:

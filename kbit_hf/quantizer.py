@@ -20,7 +20,8 @@ from transformers.utils import logging
 from . import format as fmt
 from . import tensor_parallel
 from .config import KbitConfig, matches_module
-from .modules import COMPANIONS, KbitLinear, KbitMoE, is_fused_experts, local_view, refuse_shard
+from .modules import (COMPANIONS, KbitLinear, KbitMoE, fuse_router, is_fused_experts, local_view, refuse_shard,
+                      unfuse_router)
 
 logger = logging.get_logger(__name__)
 
@@ -182,6 +183,12 @@ class KbitHfQuantizer(HfQuantizer):
         for name, module in model.named_modules():
             if isinstance(module, KbitLinear) and not any(name == o or name.startswith(o + ".") for o in offloaded):
                 module.use_device_layout_()
+        # the routers of quantized MoE blocks: one selection kernel where it computes what theirs does
+        for name, module in model.named_modules():
+            if any(isinstance(child, KbitMoE) for child in module.children()) and name not in offloaded:
+                for child in module.children():
+                    if not isinstance(child, KbitMoE):
+                        fuse_router(child)
         cfg = self.quantization_config
         model.add_model_tags(["kbit", f"kbit-{cfg.k}bit"] + (["kbit-mixed"] if cfg.module_k else []))
         from .hub import install_model_card_hooks
@@ -267,6 +274,8 @@ class KbitHfQuantizer(HfQuantizer):
                 model.set_submodule(name, module.to_linear(dtype))
             elif isinstance(module, KbitMoE):
                 model.set_submodule(name, module.to_experts(dtype))
+            else:
+                unfuse_router(module)
         from .hub import remove_model_card_hooks
 
         remove_model_card_hooks(model)

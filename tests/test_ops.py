@@ -61,7 +61,7 @@ def test_kbit_linear_and_moe_compile_fullgraph(tmp_path):
     from tiny_models import tiny_model
 
     tiny_model("qwen3_moe", dtype=torch.float32).save_pretrained(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=KbitConfig(k=4))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=KbitConfig(k=4), device_map="cpu")
     lin = next(m for m in model.modules() if isinstance(m, KbitLinear))
     moe = next(m for m in model.modules() if isinstance(m, KbitMoE))
     x = torch.randn(5, lin.in_features)
@@ -103,14 +103,16 @@ def test_moe_model_backward_reaches_the_embeddings(tmp_path):
     from tiny_models import VOCAB, tiny_model
 
     tiny_model("mixtral", dtype=torch.float32).save_pretrained(tmp_path / "fp")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=KbitConfig(k=4))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=KbitConfig(k=4),
+                                                 device_map="cpu")
     emb = model.get_input_embeddings().weight
     emb.requires_grad_(True)
     ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
     model(ids, labels=ids).loss.backward()
     assert emb.grad is not None and torch.isfinite(emb.grad).all() and emb.grad.abs().sum() > 0
     # the same loss with the quantized weights dequantized into float modules gives the same gradient
-    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=KbitConfig(k=4))
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "fp", quantization_config=KbitConfig(k=4),
+                                                 device_map="cpu")
     plain.dequantize()
     pe = plain.get_input_embeddings().weight
     pe.requires_grad_(True)
@@ -226,3 +228,55 @@ def test_moe_experts_op_is_the_experts_block(name, monkeypatch):
     moe(x.requires_grad_(), ids, w)
     assert len(calls) == 1  # autograd: the per-projection path
     assert fused_gating(torch.nn.Linear(2, 2)) is None
+
+
+@pytest.mark.parametrize("family", ("qwen3_moe", "mixtral", "gpt_oss"))
+def test_routers_of_quantized_moe_blocks_select_through_the_op(family, tmp_path):
+    """Loading a MoE model quantized gives its routers the `kbit::router_topk` forward where that computes what
+    theirs does; the model's logits are bitwise unchanged (on the CPU the op is the reference, torch's own ops)."""
+    from transformers import AutoModelForCausalLM
+
+    from kbit_hf import KbitConfig
+    from kbit_hf.modules import fuse_router, unfuse_router
+    from tiny_models import tiny_model
+
+    tiny_model(family, dtype=torch.float32).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=KbitConfig(k=4), device_map="cpu")
+    routers = [m for m in model.modules() if hasattr(m, "_kbit_router")]
+    assert len(routers) == model.config.num_hidden_layers
+    ids = torch.randint(0, 100, (2, 7))
+    with torch.no_grad():
+        fused = model(ids).logits
+        for r in routers:
+            assert unfuse_router(r) and "forward" not in vars(r)  # back to the class's own forward
+        own = model(ids).logits
+    assert torch.equal(fused, own)
+    for r in routers:
+        fuse_router(r)
+    model.dequantize()  # a plain float model again, routers included
+    assert not any(hasattr(m, "_kbit_router") for m in model.modules())
+
+
+def test_routers_with_other_semantics_keep_their_forward():
+    from kbit_hf.modules import fuse_router
+
+    class SigmoidRouter(torch.nn.Module):  # a selection router_topk does not compute
+        def __init__(self):
+            super().__init__()
+            self.weight, self.top_k, self.hidden_dim = torch.nn.Parameter(torch.randn(8, 16)), 2, 16
+
+        def forward(self, h):
+            logits = F.linear(h, self.weight)
+            w, ids = torch.topk(torch.sigmoid(logits), self.top_k, dim=-1)
+            return logits, w, ids
+
+    router = SigmoidRouter()
+    assert not fuse_router(router) and "forward" not in vars(router)
+    assert not fuse_router(torch.nn.Linear(4, 4))
+
+
+def test_router_topk_op_passes_opcheck():
+    logits = torch.randn(5, 12, dtype=torch.bfloat16)
+    for mode, renorm, out in (("softmax_topk", True, torch.bfloat16), ("softmax_topk", False, torch.float32),
+                              ("topk_softmax", False, torch.bfloat16)):
+        torch.library.opcheck(torch.ops.kbit.router_topk.default, (logits, 3, mode, renorm, out))

@@ -5,7 +5,8 @@
 
 Bit planes (K = 2..5, both block-scale formats): quantize, dequantize, the fused GEMV (M <= 8, the token tiles up to
 M = 64, the folded 8-row tiles), dequantize + cuBLAS (M = 65), the per-row expert GEMV, the grouped expert path,
-(on sm_90) the grouped expert GEMM, and the fused experts block (both gatings, with and without biases).
+(on sm_90) the grouped expert GEMM, the fused experts block (both gatings, with and without biases) and the router
+selection kernel.
 Tiled layout (K = 2..5, e4m4): tile, untile, dequantize, and on sm_90 the tiled GEMV and GEMM, the library's choice
 through kernels.linear and every GEMV variant of kernels.TILED_KERNELS forced through kernels.linear_out. Prints the calls per
 family; the sanitizer's exit code says whether any of them misbehaved. Arguments narrow the run (--help). Under
@@ -103,6 +104,9 @@ def _moe_experts(calls: Counter, k, cb, af) -> None:
         gb, db = biases if gate == "clamped" else (None, None)
         kernels.moe_experts(x, ids, w, *gu, gb, *dn, db, k, gate, 1.702, 7.0)
         calls["moe experts (2 kernels)"] += 1
+    for (E, top_k, T), mode in itertools.product(((5, 3, 9), (128, 8, 1), (2048, 32, 5)), kernels.ROUTER_MODES):
+        kernels.router_topk(torch.randn(T, E, device="cuda", dtype=torch.bfloat16), top_k, mode, True, torch.float32)
+        calls["router top-k"] += 1
 
 
 def _expert_gemm(calls: Counter, k, cb, af) -> None:

@@ -178,3 +178,19 @@ def moe_experts(
         d = d + down_bias[safe].float()
     w = top_k_weights.reshape(-1, 1).to(x.dtype).float() * valid
     return (d * w).view(T, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+def router_topk(logits: torch.Tensor, k: int, mode: str, renorm: bool, out_dtype: torch.dtype):
+    """A MoE router's (weights, ids) [T, k] from its logits [T, E], as transformers' routers compute them:
+    "softmax_topk": the float32 softmax over E, its k largest (divided by their sum when `renorm`); "topk_softmax":
+    the k largest logits, then the softmax over them (in the logits' dtype). Weights returned in `out_dtype`."""
+    if mode == "softmax_topk":
+        w, ids = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1)
+        if renorm:
+            w = w / w.sum(dim=-1, keepdim=True)
+    elif mode == "topk_softmax":
+        w, ids = torch.topk(logits, k, dim=-1)
+        w = F.softmax(w, dim=-1, dtype=w.dtype)
+    else:
+        raise ValueError(f"router_topk: mode must be 'softmax_topk' or 'topk_softmax', got {mode!r}")
+    return w.to(out_dtype), ids

@@ -173,3 +173,40 @@ def test_kbit_moe_runs_the_fused_block(name, monkeypatch):
         y_unfused = moe(x, ids, w)
     assert torch.equal(y_compiled, y)
     assert _rel(y, y_unfused.double().cpu()) <= 2.0**-6
+
+
+_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-22}
+
+
+@pytest.mark.parametrize("mode,renorm", (("softmax_topk", True), ("softmax_topk", False), ("topk_softmax", False)))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32), ids=str)
+@pytest.mark.parametrize("E,k", ((8, 2), (37, 5), (128, 8), (32, 4), (2048, 32), (5, 5), (64, 1)), ids=str)
+@pytest.mark.parametrize("T", (1, 6, 300))
+def test_router_topk(mode, renorm, dtype, E, k, T):
+    """The selection kernel against torch's ops (reference.router_topk) on random logits: the same ids in the same
+    order (on tokens without equal logits among their k + 1 largest, where the order of equals is the kernels'
+    choice), weights within two roundings of the dtype they are rounded to; outputs in the logits' dtype and fp32."""
+    g = torch.Generator(device="cuda").manual_seed(E * 1000 + k * 10 + T)
+    logits = (torch.randn(T, E, device="cuda", generator=g) * 3).to(dtype)
+    top = logits.float().topk(min(k + 1, E), dim=-1).values
+    distinct = (top[:, 1:] != top[:, :-1]).all(dim=-1)
+    for out_dtype in (dtype, torch.float32):
+        w, ids = kernels.router_topk(logits, k, mode, renorm, out_dtype)
+        rw, rids = reference.router_topk(logits, k, mode, renorm, out_dtype)
+        assert w.dtype == out_dtype and ids.dtype == torch.int64
+        assert torch.equal(ids[distinct], rids[distinct])
+        # top-k first: the softmax is rounded to the logits' dtype before the output dtype
+        ulp = max(_ULP[out_dtype], _ULP[dtype]) if mode == "topk_softmax" else _ULP[out_dtype]
+        torch.testing.assert_close(w.float().sort(-1).values, rw.float().sort(-1).values, rtol=2 * ulp, atol=1e-6)
+
+
+def test_router_topk_ties_and_limits():
+    """Equal logits go to the lower expert id first; past the kernel's limits (E > 2048, k > 32) the reference runs."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0]], device="cuda")
+    w, ids = kernels.router_topk(logits, 3, "softmax_topk", True, torch.float32)
+    assert ids.tolist() == [[1, 2, 4]]
+    torch.testing.assert_close(w, torch.full((1, 3), 1 / 3, device="cuda"))
+    big = torch.randn(3, 3000, device="cuda")
+    w, ids = kernels.router_topk(big, 40, "softmax_topk", False, torch.float32)
+    rw, rids = reference.router_topk(big, 40, "softmax_topk", False, torch.float32)
+    assert torch.equal(ids, rids) and torch.equal(w, rw)

@@ -51,7 +51,7 @@ def register() -> None:
         ops.register_backend("cuda", quantize=kernels.quantize, dequantize=kernels.dequantize, linear=kernels.linear,
                              expert_linear=kernels.expert_linear, eager_linear=kernels.linear,
                              eager_expert_linear=kernels.expert_linear, moe_experts=kernels.moe_experts,
-                             fuses_moe=dispatch.moe_fused)
+                             fuses_moe=dispatch.moe_fused, router_topk=kernels.router_topk)
         ops.register_layout(TiledLayout())
     else:
         ops.register_backend("cuda", quantize=_with_warning(reference.quantize),

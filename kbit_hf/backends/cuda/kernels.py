@@ -426,6 +426,32 @@ def moe_experts(x, top_k_index, top_k_weights, gu_packed, gu_absmax, gu_scale, g
                            limit, h, y)
 
 
+ROUTER_MODES = {"softmax_topk": 1, "topk_softmax": 2}  # csrc/kbit_api.h KBIT_ROUTER_*
+ROUTER_MAX_E = 2048  # KBIT_ROUTER_MAX_E: each warp holds its token's logits in shared memory
+
+
+def router_topk(logits, k, mode, renorm, out_dtype):
+    """ops.router_topk on CUDA: one library kernel (a warp per token) for up to ROUTER_MAX_E experts and k <= 32,
+    the reference otherwise."""
+    E = logits.shape[-1]
+    if (mode not in ROUTER_MODES or not 1 <= k <= min(E, 32) or E > ROUTER_MAX_E or logits.dtype not in DTYPE_CODE
+            or out_dtype not in DTYPE_CODE):
+        from ..reference import router_topk as reference_router_topk
+
+        return reference_router_topk(logits, k, mode, renorm, out_dtype)
+    _need("router_topk", logits)
+    x = logits.contiguous()
+    tokens = x.numel() // E
+    ids = torch.empty((*x.shape[:-1], k), dtype=torch.int64, device=x.device)
+    w = torch.empty((*x.shape[:-1], k), dtype=out_dtype, device=x.device)
+    with on_device(x.device):
+        rc = library.lib.kbit_router_topk(x.data_ptr(), DTYPE_CODE[x.dtype], tokens, E, k, ROUTER_MODES[mode],
+                                          int(renorm), ids.data_ptr(), w.data_ptr(), DTYPE_CODE[out_dtype],
+                                          stream_of(x.device))
+    check(rc, "router top-k")
+    return w, ids
+
+
 def _expert_grouped_mm(x, expert_ids, packed, absmax, scale, codebook, k, in_features):
     """Every expert dequantized to x's dtype, the rows sorted by expert on the device (ids outside [0, E) last, their
     rows zero), one torch._grouped_mm. No host sync."""

@@ -15,7 +15,7 @@ import torch
 from ..ctypes_library import F32 as _f32, I32 as _i32, I64 as _i64, LIB_DIR, PTR as _vp, open_library
 
 # csrc/kbit_quant.cu kbit_abi_version(): a library built from other sources is refused
-ABI_VERSION = 14
+ABI_VERSION = 15
 
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -30,6 +30,7 @@ _SIGNATURES = {
     "kbit_moe_gate_up": [_vp, _i32, _i64, _i64, _vp, _i64, _vp, _vp, _i32, _vp, _vp, _i32, _i64, _i64, _vp, _i32, _f32,
                          _f32, _vp, _vp],
     "kbit_moe_down": [_vp, _i32, _i64, _i64, _vp, _vp, _i64, _vp, _vp, _i32, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _vp],
+    "kbit_router_topk": [_vp, _i32, _i64, _i64, _i64, _i32, _i32, _vp, _vp, _i32, _vp],
     "kbit_tile": [_vp, _vp, _i32, _i64, _i64, _vp, _vp, _vp],
     "kbit_untile": [_vp, _vp, _i32, _i64, _i64, _vp, _vp, _vp],
     "kbit_dequantize_tiled": [_vp, _vp, _vp, _vp, _i32, _i64, _i64, _vp, _i32, _vp],
