@@ -89,7 +89,8 @@ int launch(const void* logits, int64_t tokens, int64_t E, int64_t k, int mode, i
            cudaStream_t st) {
   const int64_t ctas = (tokens + ROUTER_WARPS - 1) / ROUTER_WARPS;
   router_topk_kernel<T, W><<<(unsigned)ctas, ROUTER_WARPS * 32, ROUTER_WARPS * E * sizeof(float), st>>>(
-      reinterpret_cast<const T*>(logits), (int)tokens, (int)E, (int)k, mode, renorm, ids, reinterpret_cast<W*>(weights));
+      reinterpret_cast<const T*>(logits), (int)tokens, (int)E, (int)k, mode, renorm, ids,
+      reinterpret_cast<W*>(weights));
   return (int)cudaGetLastError();
 }
 

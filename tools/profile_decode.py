@@ -1,37 +1,64 @@
-"""Where does a decode step's time go? Loads a checkpoint with one method, warms `generate` up (static cache:
-compiled + CUDA graphs, or eager), then profiles `generate` and prints the GPU time per decode step by kernel,
-the summed GPU busy time per step, the wall time per step, and the host (CPU) self time by op.
+"""Where does a decode step's time go? Loads a model with one method, warms `generate` up (static cache: compiled +
+CUDA graphs, or eager), then profiles a generate of N new tokens and one of 1 token and prints, per decode step (the
+difference of the two, over N - 1 steps): GPU time and launches by kernel, the summed GPU busy time and kernel
+count, the wall time per step, and the host (CPU) self time by op.
 
-usage (from the repository root): PYTHONPATH=. python tools/profile_decode.py FOLDER METHOD [static|eager] [new_tokens]
-METHOD: one of `python -m kbit_hf.bench generate --methods` (bf16, kbit4, kbit2-head, bnb-nf4, ...)
+usage (from the repository root):
+  PYTHONPATH=. python tools/profile_decode.py METHOD [--model SHAPE --layers L | --checkpoint FOLDER]
+         [--mode static|eager] [--batch B] [--new-tokens N]
+METHOD: one of `kbit-bench generate --methods` (bf16, kbit4, kbit2-head, bnb-nf4, ...). A named shape gets a
+random-weight checkpoint under --workdir, as `kbit-bench generate` writes it.
 """
 
-import sys
+import argparse
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
-from kbit_hf.bench.generate import parse_methods
+from kbit_hf.bench.generate import add_model_arguments, ensure_checkpoint, parse_methods
+
+
+def per_step(prof_n, prof_1, steps, kind):
+    """{name: (time, calls)} per decode step of the kernels (kind "gpu") or the host ops ("cpu"): the N-token
+    profile minus the 1-token one."""
+    device, attr = {"gpu": (DeviceType.CUDA, "self_device_time_total"),
+                    "cpu": (DeviceType.CPU, "self_cpu_time_total")}[kind]
+    events = lambda prof: [e for e in prof.key_averages() if e.device_type == device]  # noqa: E731
+    one = {e.key: (getattr(e, attr), e.count) for e in events(prof_1)}
+    rows = {}
+    for e in events(prof_n):
+        t0, c0 = one.get(e.key, (0.0, 0))
+        t, c = (getattr(e, attr) - t0) / steps, (e.count - c0) / steps
+        if t > 0 and c > 0:
+            rows[e.key] = (t, c)
+    return rows
 
 
 def main():
-    folder, method = sys.argv[1], sys.argv[2]
-    static = (sys.argv[3] if len(sys.argv) > 3 else "static") == "static"
-    n = int(sys.argv[4]) if len(sys.argv) > 4 else 33
-    m = parse_methods(method)[0]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("method")
+    add_model_arguments(p)
+    p.add_argument("--mode", choices=("static", "eager"), default="static")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--new-tokens", type=int, default=17)
+    args = p.parse_args()
+    folder = args.checkpoint or ensure_checkpoint(args.model, args.layers, args.workdir, "cuda")
+    m = parse_methods(args.method)[0]
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda",
                                                  quantization_config=m.quantization_config()).eval()
-    ids = torch.randint(10, 1000, (1, 64), device="cuda")
-    kw = dict(min_new_tokens=n, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
-    if static:
+    ids = torch.randint(10, 1000, (args.batch, 64), device="cuda")
+    kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    if args.mode == "static":
         kw["cache_implementation"] = "static"
+    n, steps = args.new_tokens, args.new_tokens - 1
 
     def gen(k):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        model.generate(ids, max_new_tokens=k, **{**kw, "min_new_tokens": k})
+        model.generate(ids, max_new_tokens=k, min_new_tokens=k, **kw)
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
@@ -39,25 +66,21 @@ def main():
         gen(n)
         gen(n)
         t1, tn = min(gen(1) for _ in range(3)), min(gen(n) for _ in range(3))
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof_n:
             gen(n)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof_1:
             gen(1)
-    steps = n - 1
-    print(f"\n== {method} {'static' if static else 'eager'}: wall per decode step {(tn - t1) / steps * 1e3:.3f} ms")
-    # GPU time of the n-token run minus the 1-token run = decode steps only
-    ev = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    total = sum(e.self_device_time_total for e in ev)
-    print(f"GPU busy (both profiled runs, us): {total:.0f}; kernels: {sum(e.count for e in ev)}")
-    rows = sorted(ev, key=lambda e: -e.self_device_time_total)[:30]
-    print(f"{'us total':>10} {'count':>7} {'us/call':>8}  name")
-    for e in rows:
-        print(f"{e.self_device_time_total:10.0f} {e.count:7d} {e.self_device_time_total / e.count:8.2f}  {e.key[:110]}")
-    # host side: where the Python / dispatcher time of the profiled runs goes (self CPU time by op)
-    cpu = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
-    print(f"host self time of the profiled runs: {sum(e.self_cpu_time_total for e in cpu):.0f} us")
-    print(f"{'us self':>10} {'count':>7} {'us/call':>8}  op")
-    for e in sorted(cpu, key=lambda e: -e.self_cpu_time_total)[:25]:
-        print(f"{e.self_cpu_time_total:10.0f} {e.count:7d} {e.self_cpu_time_total / e.count:8.2f}  {e.key[:110]}")
+    gpu = per_step(prof_n, prof_1, steps, "gpu")
+    print(f"\n== {args.method} {args.mode}, batch {args.batch}: per decode step, wall {(tn - t1) / steps * 1e3:.3f} ms, "
+          f"GPU busy {sum(t for t, _ in gpu.values()):.0f} us in {sum(c for _, c in gpu.values()):.0f} kernels")
+    print(f"{'us/step':>9} {'calls':>6} {'us/call':>8}  kernel")
+    for name, (t, c) in sorted(gpu.items(), key=lambda kv: -kv[1][0])[:30]:
+        print(f"{t:9.1f} {c:6.1f} {t / c:8.2f}  {name[:110]}")
+    cpu = per_step(prof_n, prof_1, steps, "cpu")
+    print(f"host self time per step: {sum(t for t, _ in cpu.values()):.0f} us")
+    print(f"{'us/step':>9} {'calls':>6}  op")
+    for name, (t, c) in sorted(cpu.items(), key=lambda kv: -kv[1][0])[:20]:
+        print(f"{t:9.1f} {c:6.1f}  {name[:110]}")
 
 
 if __name__ == "__main__":
