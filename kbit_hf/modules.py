@@ -365,7 +365,8 @@ class KbitMoE(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         num_tokens, top_k = x.shape[0], top_k_index.shape[-1]
-        if self.fused_gating is not None and not self.is_shard and ops.fuses_moe(x, num_tokens * top_k, self.num_experts):
+        fused = self.fused_gating is not None and not self.is_shard
+        if fused and ops.fuses_moe(x, num_tokens * top_k, self.num_experts):
             return self._fused_forward(x, top_k_index.reshape(num_tokens, top_k),
                                        top_k_weights.reshape(num_tokens, top_k)).view(shape)
         expert_ids = top_k_index.reshape(-1)

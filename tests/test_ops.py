@@ -182,37 +182,15 @@ def test_custom_ops_pass_torch_opcheck(absmax_format):
         torch.library.opcheck(op, args)
 
 
-def _experts(name):
-    from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
-    from kbit_hf.modules import KbitMoE
-
-    torch.manual_seed(0)
-    if name == "qwen3":
-        orig = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=24, num_experts=6))
-    else:
-        orig = GptOssExperts(GptOssConfig(hidden_size=64, intermediate_size=24, num_local_experts=6))
-    with torch.no_grad():
-        for p in orig.parameters():
-            p.normal_(0.0, 1.0)  # large enough that gpt-oss's clamps at +-7 bite
-    moe = KbitMoE(orig, 4, "e4m4", fmt.nf0_codebook(4), pre_quantized=False)
-    for pname in moe.quantized_names:
-        for n, t in moe.quantize_param(pname, getattr(orig, pname).data).items():
-            setattr(moe, n, torch.nn.Parameter(t, requires_grad=False))
-    return moe
-
-
 @pytest.mark.parametrize("name", ("qwen3", "gpt-oss"))
 def test_moe_experts_op_is_the_experts_block(name, monkeypatch):
     """`kbit::moe_experts` (the reference) computes what KbitMoE's per-projection path computes with the model's own
     gating (transformers' SiLU default; gpt-oss's clamped SwiGLU with biases), sentinel ids included; KbitMoE runs
     it where the device's backend fuses (a pretended CPU backend here), not when a gradient is needed."""
     from kbit_hf.modules import fused_gating
+    from tiny_models import kbit_experts
 
-    moe = _experts(name)
+    moe = kbit_experts(name, 64, 24, 6, std=1.0)  # std 1: large enough that gpt-oss's clamps at +-7 bite
     assert moe.fused_gating == (("silu", 0.0, 0.0) if name == "qwen3" else ("clamped", 1.702, 7.0))
     x = torch.randn(3, 64)
     ids = torch.tensor([[0, 5, -1], [2, 2, 6], [1, 3, 4]])
@@ -220,8 +198,8 @@ def test_moe_experts_op_is_the_experts_block(name, monkeypatch):
     with torch.no_grad():
         expected = moe(x, ids, w)
         calls = []
-        monkeypatch.setitem(ops._MOE_EXPERTS, "cpu",
-                            (lambda *a: calls.append(1) or torch.ops.kbit.moe_experts(*a), lambda rows, experts, dtype: True))
+        op = lambda *a: calls.append(1) or torch.ops.kbit.moe_experts(*a)  # noqa: E731
+        monkeypatch.setitem(ops._MOE_EXPERTS, "cpu", (op, lambda rows, experts, dtype: True))
         got = moe(x, ids, w)
     assert len(calls) == 1
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)  # fp32: summation order only

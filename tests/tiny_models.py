@@ -73,3 +73,30 @@ def byte_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def kbit_experts(family: str, hidden: int, inter: int, experts: int, std: float, device="cpu", dtype=torch.float32):
+    """A K = 4 KbitMoE quantized from a real transformers experts class with N(0, std) weights: "qwen3" (SiLU
+    gating, gate and up halves) or "gpt-oss" (clamped SwiGLU, interleaved, biases, weights stored transposed)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from kbit_hf import format as fmt
+    from kbit_hf.modules import KbitMoE
+
+    torch.manual_seed(0)
+    if family == "qwen3":
+        orig = Qwen3MoeExperts(transformers.Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter,
+                                                           num_experts=experts))
+    else:
+        orig = GptOssExperts(transformers.GptOssConfig(hidden_size=hidden, intermediate_size=inter,
+                                                       num_local_experts=experts))
+    with torch.no_grad():
+        for p in orig.parameters():
+            p.normal_(0.0, std)
+    orig = orig.to(device, dtype)
+    moe = KbitMoE(orig, 4, "e4m4", fmt.nf_codebook(4), pre_quantized=False)
+    for name in moe.quantized_names:
+        for n, t in moe.quantize_param(name, getattr(orig, name).data).items():
+            setattr(moe, n, torch.nn.Parameter(t, requires_grad=False))
+    return moe

@@ -71,8 +71,8 @@ def main():
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof_1:
             gen(1)
     gpu = per_step(prof_n, prof_1, steps, "gpu")
-    print(f"\n== {args.method} {args.mode}, batch {args.batch}: per decode step, wall {(tn - t1) / steps * 1e3:.3f} ms, "
-          f"GPU busy {sum(t for t, _ in gpu.values()):.0f} us in {sum(c for _, c in gpu.values()):.0f} kernels")
+    print(f"\n== {args.method} {args.mode}, batch {args.batch}: per decode step, wall "
+          f"{(tn - t1) / steps * 1e3:.3f} ms, GPU busy {sum(t for t, _ in gpu.values()):.0f} us in {sum(c for _, c in gpu.values()):.0f} kernels")
     print(f"{'us/step':>9} {'calls':>6} {'us/call':>8}  kernel")
     for name, (t, c) in sorted(gpu.items(), key=lambda kv: -kv[1][0])[:30]:
         print(f"{t:9.1f} {c:6.1f} {t / c:8.2f}  {name[:110]}")

@@ -127,37 +127,15 @@ def test_moe_experts_refuses_bad_input():
     assert y.dtype == torch.float32  # fp32 activations: the reference
 
 
-def _kbit_experts(name):
-    from transformers.models.gpt_oss.configuration_gpt_oss import GptOssConfig
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
-    from kbit_hf.config import KbitConfig
-    from kbit_hf.modules import KbitMoE
-
-    torch.manual_seed(0)
-    if name == "qwen3":
-        orig = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=96, num_experts=16))
-    else:
-        orig = GptOssExperts(GptOssConfig(hidden_size=320, intermediate_size=160, num_local_experts=8))
-    with torch.no_grad():
-        for p in orig.parameters():
-            p.normal_(0.0, 0.05)
-    orig = orig.to("cuda", torch.bfloat16)
-    moe = KbitMoE(orig, 4, "e4m4", KbitConfig(k=4).codebook_tensor(4), pre_quantized=False)
-    for pname in moe.quantized_names:
-        for n, t in moe.quantize_param(pname, getattr(orig, pname).data).items():
-            setattr(moe, n, torch.nn.Parameter(t, requires_grad=False))
-    return moe
-
-
 @pytest.mark.parametrize("name", ("qwen3", "gpt-oss"))
 def test_kbit_moe_runs_the_fused_block(name, monkeypatch):
     """KbitMoE of a real transformers experts class (Qwen3-MoE: SiLU gating; gpt-oss: clamped SwiGLU, biases,
     transposed weights) runs the fused block at batch 1, eager and under torch.compile(fullgraph=True) (one op, no
     graph break: bitwise the eager result), and matches its own per-projection path."""
-    moe = _kbit_experts(name)
+    from tiny_models import kbit_experts
+
+    moe = kbit_experts(name, 256 if name == "qwen3" else 320, 96 if name == "qwen3" else 160,
+                       16 if name == "qwen3" else 8, std=0.05, device="cuda", dtype=torch.bfloat16)
     E, top_k = moe.num_experts, 4
     x = torch.randn(1, moe.in_features["gate_up_proj"], device="cuda", dtype=torch.bfloat16)
     ids = torch.tensor([[3, -1, 0, E - 1]], device="cuda")
