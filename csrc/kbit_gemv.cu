@@ -760,7 +760,7 @@ __global__ void __launch_bounds__(MAX_WARPS * 32) __maxnreg__(NREG) gemv_kernel(
       const int b0 = (st % spe) * SB;
       const T* xn = x + n * (int64_t)in;
       float part[4] = {0.f, 0.f, 0.f, 0.f};
-      if (vec && b0 + SB <= nb)
+      if (vec && (b0 + SB) * BLOCK <= in)  // all 32 columns of the step's blocks inside the row
         compute_step<K, T, false, MODE>(cur, xn, xn + (int64_t)(b0 + q) * BLOCK, xon, fp16, b0, q, nb, in, c4, tb, tl,
                                         th, part);
       else
@@ -945,6 +945,9 @@ int launch_moe(const void* x, int64_t rows, const uint32_t* packed, const void* 
   if (in > (int64_t)1 << 30 || rows > 65535 || out * nb * K >= ((int64_t)1 << 32))
     return (int)cudaErrorInvalidConfiguration;
   const int vec = (in % 8 == 0) && ((reinterpret_cast<uintptr_t>(x) & 15) == 0);
+  // FUSE_SUM's steps (top_k rows of ceil(nb / STEP) steps each) are counted in an int
+  if (FUSE == FUSE_SUM && (int64_t)er.top_k * ((nb + STEP - 1) / STEP) > 0x7FFFFFFF)
+    return (int)cudaErrorInvalidConfiguration;
   const int64_t outs = FUSE == FUSE_GATE ? out / 2 : out;
   const int tr = FUSE == FUSE_GATE ? 8 : TILE;
   const MoeCta c = FUSE == FUSE_GATE ? moe_gate_up_cta(nb)

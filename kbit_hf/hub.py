@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import os
-import types
 
 from . import format as fmt
 
@@ -107,11 +106,12 @@ def _save_pretrained(self, save_directory, *args, **kwargs):
 
 
 def install_model_card_hooks(model) -> None:
-    """Bind the card-aware push_to_hub/save_pretrained to this model instance (bound methods, so copy.deepcopy
-    and pickle rebind them to the copy)."""
+    """Bind the card-aware push_to_hub/save_pretrained to this model instance (partials of module functions, so
+    copy.deepcopy and pickle rebind them to the copy; a bound method of a function the class lacks does not
+    unpickle)."""
     _patch_card_factory()
     for name, fn in (("push_to_hub", _push_to_hub), ("save_pretrained", _save_pretrained)):
-        setattr(model, name, types.MethodType(fn, model))
+        setattr(model, name, functools.partial(fn, model))
 
 
 def remove_model_card_hooks(model) -> None:

@@ -8,7 +8,7 @@ casts the incoming checkpoint tensor to it and hands it to `quantize_param`, whi
 
 from __future__ import annotations
 
-import types
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -233,30 +233,34 @@ _ROUTER_MODES = (("softmax_topk", True), ("softmax_topk", False), ("topk_softmax
 def fuse_router(router: nn.Module) -> bool:
     """Give a MoE router (a module with `weight`, `top_k` and `hidden_dim` whose forward returns (logits, weights,
     ids)) a forward that selects through `kbit::router_topk` (one kernel instead of softmax, top-k and the
-    renormalisation), for inference. Installed only where one of the op's modes, computed in torch's ops, reproduces
-    the router's own forward exactly on a probe input (same ids, bitwise the same weights and dtype), so routers with
-    other semantics keep theirs. (A renormalised softmax top-k and a softmax over the top-k are the same function:
-    either may be picked for the other.) Returns whether it was installed."""
+    renormalisation), for inference. Installed only where the fused forward, with the op's selection computed in
+    torch's ops, returns bitwise what the router's own forward returns on a probe input (all three outputs, their
+    dtypes included), so routers with other semantics keep theirs. (A renormalised softmax top-k and a softmax over
+    the top-k are the same function: either may be picked for the other.) Not for routers under an accelerate hook.
+    Returns whether it was installed."""
     weight = getattr(router, "weight", None)
     if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.device.type == "meta"
-            or not isinstance(getattr(router, "top_k", None), int) or getattr(router, "hidden_dim", None) is None):
+            or not isinstance(getattr(router, "top_k", None), int) or getattr(router, "hidden_dim", None) is None
+            or hasattr(router, "_hf_hook") or "forward" in vars(router)):
         return False
     g = torch.Generator(device=weight.device).manual_seed(0)
     probe = torch.randn(16, router.hidden_dim, generator=g, device=weight.device).to(weight.dtype)
     try:
         with torch.no_grad():
-            out = type(router).forward(router, probe)
+            own = type(router).forward(router, probe)
+            if not (isinstance(own, tuple) and len(own) == 3 and all(isinstance(t, torch.Tensor) for t in own)):
+                return False
+            for mode, renorm in _ROUTER_MODES:
+                router._kbit_router = (mode, renorm, own[1].dtype)
+                fused = _router_outputs(router, probe, ops.router_topk_in_torch)
+                if all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(fused, own)):
+                    # a partial, not a bound method: the model stays picklable
+                    router.forward = functools.partial(_fused_router_forward, router)
+                    return True
     except Exception:  # noqa: BLE001 - a forward this probe cannot drive is simply left alone
-        return False
-    if not (isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out)):
-        return False
-    logits, weights, ids = out
-    for mode, renorm in _ROUTER_MODES:
-        w, i = ops.router_topk_in_torch(logits, router.top_k, mode, renorm, weights.dtype)
-        if torch.equal(i, ids) and w.dtype == weights.dtype and torch.equal(w, weights):
-            router._kbit_router = (mode, renorm, weights.dtype == logits.dtype)
-            router.forward = types.MethodType(_fused_router_forward, router)
-            return True
+        pass
+    if hasattr(router, "_kbit_router"):
+        del router._kbit_router
     return False
 
 
@@ -268,13 +272,20 @@ def unfuse_router(router: nn.Module) -> bool:
     return True
 
 
-def _fused_router_forward(self, hidden_states):
-    if torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad):
-        return type(self).forward(self, hidden_states)  # the op has no autograd formula
-    mode, renorm, cast = self._kbit_router
-    logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight, getattr(self, "bias", None))
-    weights, ids = ops.router_topk(logits, self.top_k, mode, renorm, logits.dtype if cast else torch.float32)
+def _router_outputs(router, hidden_states, select):
+    mode, renorm, weights_dtype = router._kbit_router
+    logits = F.linear(hidden_states.reshape(-1, router.hidden_dim), router.weight, getattr(router, "bias", None))
+    weights, ids = select(logits, router.top_k, mode, renorm, weights_dtype)
     return logits, weights, ids
+
+
+def _fused_router_forward(router, hidden_states):
+    bias = getattr(router, "bias", None)
+    grads = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden_states, router.weight, bias))
+    if grads or hidden_states.dtype != router.weight.dtype:  # the op has no autograd formula; the probe ran this dtype
+        return type(router).forward(router, hidden_states)
+    return _router_outputs(router, hidden_states, ops.router_topk)
 
 
 class KbitMoE(nn.Module):
@@ -316,7 +327,8 @@ class KbitMoE(nn.Module):
                     self.register_parameter(name + suffix, q)
             else:
                 self.register_parameter(name, p)
-        self.num_experts = int(getattr(orig, "num_experts", dict(orig.named_parameters())[self.quantized_names[0]].shape[0]))
+        first = dict(orig.named_parameters())[self.quantized_names[0]]
+        self.num_experts = int(getattr(orig, "num_experts", first.shape[0]))
         self.fused_gating = fused_gating(orig)
         self.is_shard = False  # holds one tensor-parallel shard of every expert (in_features: the shard's widths)
         self._is_hf_initialized = True
@@ -365,8 +377,9 @@ class KbitMoE(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         num_tokens, top_k = x.shape[0], top_k_index.shape[-1]
+        biases = (getattr(self, "gate_up_proj_bias"), getattr(self, "down_proj_bias")) if self.has_bias else ()
         fused = self.fused_gating is not None and not self.is_shard
-        if fused and ops.fuses_moe(x, num_tokens * top_k, self.num_experts):
+        if fused and ops.fuses_moe(x, num_tokens, top_k, self.num_experts, top_k_weights, *biases):
             return self._fused_forward(x, top_k_index.reshape(num_tokens, top_k),
                                        top_k_weights.reshape(num_tokens, top_k)).view(shape)
         expert_ids = top_k_index.reshape(-1)

@@ -234,8 +234,8 @@ def register_backend(device_type: str, *, quantize: Callable, dequantize: Callab
 
     Each callable has its op's signature. `eager_linear` / `eager_expert_linear` are optional direct paths that
     `linear_forward` / `expert_linear_forward` call for eager inference (no autograd, not compiling). `moe_experts`
-    (the `kbit::moe_experts` op's kernel) with `fuses_moe(rows, experts, dtype)`: the calls for which KbitMoE runs
-    it. `router_topk`: the `kbit::router_topk` op's kernel."""
+    (the `kbit::moe_experts` op's kernel) with `fuses_moe(tokens, top_k, experts, dtype)`: the calls for which
+    KbitMoE runs it. `router_topk`: the `kbit::router_topk` op's kernel."""
     for name, fn in (("quantize", quantize), ("dequantize", dequantize), ("linear", linear),
                      ("expert_linear", expert_linear)):
         torch.library.register_kernel(_OPS[name], device_type, fn)
@@ -279,12 +279,14 @@ def expert_linear_forward(x, expert_ids, packed, absmax, scale, codebook, k: int
     return torch.ops.kbit.expert_linear(x, expert_ids, packed, absmax, scale, codebook, k, in_features)
 
 
-def fuses_moe(x, rows: int, experts: int) -> bool:
-    """The backend of x's device runs a whole experts block of `rows` rows (tokens x top-k) over `experts` experts as
-    `kbit::moe_experts` (inference only: the op has no autograd formula)."""
+def fuses_moe(x, tokens: int, top_k: int, experts: int, *others) -> bool:
+    """The backend of x's device runs a whole experts block of `tokens` x `top_k` rows over `experts` experts as
+    `kbit::moe_experts`. Inference only: the op has no autograd formula, so not while x or any of `others` (the
+    routing weights, biases) needs a gradient."""
     entry = _MOE_EXPERTS.get(_device_type(x))
-    return (entry is not None and not (x.requires_grad and torch.is_grad_enabled())
-            and entry[1](rows, experts, x.dtype))
+    if entry is None or not entry[1](tokens, top_k, experts, x.dtype):
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *others)))
 
 
 def moe_experts_forward(x, top_k_index, top_k_weights, gate_up: tuple, gate_up_bias, down: tuple, down_bias, k: int,

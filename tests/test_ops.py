@@ -199,12 +199,13 @@ def test_moe_experts_op_is_the_experts_block(name, monkeypatch):
         expected = moe(x, ids, w)
         calls = []
         op = lambda *a: calls.append(1) or torch.ops.kbit.moe_experts(*a)  # noqa: E731
-        monkeypatch.setitem(ops._MOE_EXPERTS, "cpu", (op, lambda rows, experts, dtype: True))
+        monkeypatch.setitem(ops._MOE_EXPERTS, "cpu", (op, lambda tokens, top_k, experts, dtype: True))
         got = moe(x, ids, w)
     assert len(calls) == 1
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)  # fp32: summation order only
     moe(x.requires_grad_(), ids, w)
-    assert len(calls) == 1  # autograd: the per-projection path
+    moe(x.detach(), ids, w.requires_grad_())
+    assert len(calls) == 1  # a gradient to carry (input, routing weights): the per-projection path
     assert fused_gating(torch.nn.Linear(2, 2)) is None
 
 

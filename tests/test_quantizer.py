@@ -357,12 +357,20 @@ def test_saved_kbit_model_loads_with_disk_offload(quantized, tmp_path):
     assert torch.equal(_logits(offloaded, _ids()), _logits(model, _ids()))
 
 
-def test_copies_save_themselves(quantized, tmp_path):
+@pytest.mark.parametrize("how", ("deepcopy", "pickle"))
+def test_copies_save_themselves(quantized, tmp_path, how):
     import copy
+    import io
 
     model, _ = quantized("llama")
-    clone = copy.deepcopy(model)
-    assert clone.save_pretrained.__self__ is clone and clone.push_to_hub.__self__ is clone
+    if how == "deepcopy":
+        clone = copy.deepcopy(model)
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        clone = torch.load(buf, weights_only=False)
+    assert clone.save_pretrained.args[0] is clone and clone.push_to_hub.args[0] is clone
     with torch.no_grad():
         clone.model.layers[0].self_attn.q_proj.weight_scale.mul_(2)
     clone.save_pretrained(tmp_path)

@@ -54,15 +54,18 @@ def _rel(got, ref):
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 @pytest.mark.parametrize("gate", ("silu", "clamped"))
 @pytest.mark.parametrize("tokens", ((1, 8), (2, 4), (4, 2), (3, 3)), ids=str)  # (T, top_k)
-@pytest.mark.parametrize("shape", ((136, 40, 136), (100, 37, 100), (2080, 96, 2080), (256, 768, 256)), ids=str)
+@pytest.mark.parametrize("shape", ((136, 40, 136), (100, 37, 100), (2080, 96, 2080), (256, 768, 256), (64, 248, 72)),
+                         ids=str)
 def test_moe_experts(k, dtype, gate, tokens, shape):
     """(hidden, intermediate, out): partial blocks and tiles (100 / 37), rows of more than 8 steps in gate_up (2080),
-    and of several steps per expert in down (768). Ids include -1 and E (expert-parallel sentinels); h and y are
-    poisoned before the call."""
+    of several steps per expert in down (768), and a down step whose last block is partial (248: 8 blocks, the last
+    of 24 columns). Ids include -1 and E (expert-parallel sentinels); h and y are poisoned before the call; biases
+    with the clamped gating and on the 100-wide block with SiLU."""
     T, top_k = tokens
     hidden, inter, out_f = shape
     E = 6
-    g, cb, gu, dn, gb, db = _block(E, hidden, inter, out_f, k, seed=T * 100 + k + hidden, biases=gate == "clamped")
+    g, cb, gu, dn, gb, db = _block(E, hidden, inter, out_f, k, seed=T * 100 + k + hidden,
+                                   biases=gate == "clamped" or hidden == 100)
     x = torch.randn(T, hidden, generator=g).to(dtype)
     ids = torch.stack([torch.randperm(E + 2, generator=g)[:top_k] - 1 for _ in range(T)])  # -1 .. E
     w = torch.rand(T, top_k, generator=g).softmax(-1).to(dtype)
@@ -147,7 +150,7 @@ def test_kbit_moe_runs_the_fused_block(name, monkeypatch):
         y = moe(x, ids, w)
         assert len(calls) == 1
         y_compiled = torch.compile(moe, fullgraph=True)(x, ids, w)
-        monkeypatch.setitem(ops._MOE_EXPERTS, "cuda", (fused, lambda rows, experts, dtype: False))
+        monkeypatch.setitem(ops._MOE_EXPERTS, "cuda", (fused, lambda tokens, top_k, experts, dtype: False))
         y_unfused = moe(x, ids, w)
     assert torch.equal(y_compiled, y)
     assert _rel(y, y_unfused.double().cpu()) <= 2.0**-6
