@@ -92,11 +92,12 @@ def bit_planes(calls: Counter, ks) -> None:
 
 def _moe_experts(calls: Counter, k, cb, af) -> None:
     """The fused experts block: 2 and 3 tokens of top-3 over 5 experts (sentinel ids included), hidden 100 (a partial
-    block), intermediate 37 (a partial tile and block), 36 outputs (a partial 16-row tile)."""
-    E, hidden, inter, out_f = 5, 100, 37, 36
-    gu = kernels.quantize(torch.randn(E, 2 * inter, hidden, device="cuda"), cb, k, af) + (cb,)
-    dn = kernels.quantize(torch.randn(E, out_f, inter, device="cuda"), cb, k, af) + (cb,)
-    for xdt, gate, T in itertools.product(X_DTYPES, kernels.MOE_GATES, (2, 3)):
+    block), intermediate 37 (a partial tile and block) and 248 (a full step of 8 blocks whose last is partial), 36
+    outputs (a partial 16-row tile)."""
+    E, hidden, out_f = 5, 100, 36
+    for xdt, gate, T, inter in itertools.product(X_DTYPES, kernels.MOE_GATES, (2, 3), (37, 248)):
+        gu = kernels.quantize(torch.randn(E, 2 * inter, hidden, device="cuda"), cb, k, af) + (cb,)
+        dn = kernels.quantize(torch.randn(E, out_f, inter, device="cuda"), cb, k, af) + (cb,)
         x = torch.randn(T, hidden, device="cuda", dtype=xdt)
         ids = torch.randint(-1, E + 1, (T, 3), device="cuda")
         w = torch.rand(T, 3, device="cuda", dtype=xdt)
