@@ -236,12 +236,12 @@ def fuse_router(router: nn.Module) -> bool:
     renormalisation), for inference. Installed only where the fused forward, with the op's selection computed in
     torch's ops, returns bitwise what the router's own forward returns on a probe input (all three outputs, their
     dtypes included), so routers with other semantics keep theirs. (A renormalised softmax top-k and a softmax over
-    the top-k are the same function: either may be picked for the other.) Not for routers under an accelerate hook.
-    Returns whether it was installed."""
+    the top-k are the same function: either may be picked for the other.) Only on devices whose backend has a kernel
+    for the op, and not for routers under an accelerate hook. Returns whether it was installed."""
     weight = getattr(router, "weight", None)
     if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.device.type == "meta"
             or not isinstance(getattr(router, "top_k", None), int) or getattr(router, "hidden_dim", None) is None
-            or hasattr(router, "_hf_hook") or "forward" in vars(router)):
+            or hasattr(router, "_hf_hook") or "forward" in vars(router) or not ops.has_router_kernel(weight.device)):
         return False
     g = torch.Generator(device=weight.device).manual_seed(0)
     probe = torch.randn(16, router.hidden_dim, generator=g, device=weight.device).to(weight.dtype)

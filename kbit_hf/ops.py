@@ -207,6 +207,11 @@ def _(logits, k, mode, renorm, out_dtype):
     return logits.new_empty(shape, dtype=out_dtype), logits.new_empty(shape, dtype=torch.int64)
 
 
+def has_router_kernel(device: torch.device) -> bool:
+    """The backend of `device` runs `kbit::router_topk` as a kernel of its own."""
+    return device.type in _ROUTER_KERNELS
+
+
 def router_topk_in_torch(logits, k: int, mode: str, renorm: bool, out_dtype: torch.dtype):
     """`router_topk`'s semantics in torch's own ops on any device: bitwise what a transformers router with that
     selection computes (what KbitMoE's routers are probed against)."""
@@ -224,6 +229,8 @@ _EAGER_EXPERT_LINEAR: dict[str, Callable] = {}
 # device type -> (the fused experts block, whether it runs for (rows, dtype)); devices without one run KbitMoE's
 # per-projection path
 _MOE_EXPERTS: dict[str, tuple[Callable, Callable]] = {}
+# device types whose backend has a kernel for `kbit::router_topk` (elsewhere the op is torch's own ops, no faster)
+_ROUTER_KERNELS: set[str] = set()
 
 
 def register_backend(device_type: str, *, quantize: Callable, dequantize: Callable, linear: Callable,
@@ -249,8 +256,11 @@ def register_backend(device_type: str, *, quantize: Callable, dequantize: Callab
     else:
         torch.library.register_kernel(_OPS["moe_experts"], device_type, moe_experts)
         _MOE_EXPERTS[device_type] = (moe_experts, fuses_moe)
-    if router_topk is not None:
+    if router_topk is None:
+        _ROUTER_KERNELS.discard(device_type)
+    else:
         torch.library.register_kernel(_OPS["router_topk"], device_type, router_topk)
+        _ROUTER_KERNELS.add(device_type)
 
 
 def _device_type(x) -> str:

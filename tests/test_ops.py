@@ -210,9 +210,10 @@ def test_moe_experts_op_is_the_experts_block(name, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ("qwen3_moe", "mixtral", "gpt_oss"))
-def test_routers_of_quantized_moe_blocks_select_through_the_op(family, tmp_path):
+def test_routers_of_quantized_moe_blocks_select_through_the_op(family, tmp_path, monkeypatch):
     """Loading a MoE model quantized gives its routers the `kbit::router_topk` forward where that computes what
-    theirs does; the model's logits are bitwise unchanged (on the CPU the op is the reference, torch's own ops)."""
+    theirs does; the model's logits are bitwise unchanged (on the CPU the op is the reference, torch's own ops: the
+    CPU backend is pretended to have a kernel for it, which it has not, so routers are not fused there)."""
     from transformers import AutoModelForCausalLM
 
     from kbit_hf import KbitConfig
@@ -220,6 +221,9 @@ def test_routers_of_quantized_moe_blocks_select_through_the_op(family, tmp_path)
     from tiny_models import tiny_model
 
     tiny_model(family, dtype=torch.float32).save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=KbitConfig(k=4), device_map="cpu")
+    assert not any(hasattr(m, "_kbit_router") for m in plain.modules())
+    monkeypatch.setattr(ops, "_ROUTER_KERNELS", {"cpu"})
     model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=KbitConfig(k=4), device_map="cpu")
     routers = [m for m in model.modules() if hasattr(m, "_kbit_router")]
     assert len(routers) == model.config.num_hidden_layers
@@ -236,8 +240,10 @@ def test_routers_of_quantized_moe_blocks_select_through_the_op(family, tmp_path)
     assert not any(hasattr(m, "_kbit_router") for m in model.modules())
 
 
-def test_routers_with_other_semantics_keep_their_forward():
+def test_routers_with_other_semantics_keep_their_forward(monkeypatch):
     from kbit_hf.modules import fuse_router
+
+    monkeypatch.setattr(ops, "_ROUTER_KERNELS", {"cpu"})
 
     class SigmoidRouter(torch.nn.Module):  # a selection router_topk does not compute
         def __init__(self):
