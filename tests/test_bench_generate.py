@@ -1,8 +1,10 @@
 """The generation benchmark runs end to end on a tiny shape (CPU, eager) and reports what it measured."""
 
 import json
+import os
 
 import pytest
+import torch
 
 from kbit_hf.bench import generate
 from kbit_hf.bench.__main__ import main
@@ -115,3 +117,33 @@ def test_calibrate_benchmark_tiny_cpu(tmp_path, capsys):
     report = json.loads(out_json.read_text())
     assert report["layers"] == 2 and report["seconds"] > 0 and report["k"] == 3
     assert "calibrated K=3" in capsys.readouterr().out
+
+
+def test_checkpoint_of_a_model_too_large_to_convert_on_the_device(tmp_path, monkeypatch):
+    """Where save_pretrained runs out of device memory (its per-expert conversion), the benchmark writes the model's
+    own tensor names in shards instead; from_pretrained loads them to the same model, bf16 and quantized."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from kbit_hf import KbitConfig
+
+    reference = generate.ensure_checkpoint("tiny-qwen3-moe", None, str(tmp_path / "converted"), "cpu")
+
+    def out_of_memory(self, folder, *args, **kwargs):
+        with open(os.path.join(folder, "model-00001-of-00002.safetensors"), "w") as f:
+            f.write("a partial shard")
+        raise torch.OutOfMemoryError("pretended")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", out_of_memory)
+    monkeypatch.setattr(generate, "SHARD_BYTES", 1 << 16)
+    folder = generate.ensure_checkpoint("tiny-qwen3-moe", None, str(tmp_path / "own"), "cpu")
+    monkeypatch.undo()
+    files = sorted(os.listdir(folder))
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 2
+    assert "model-00001-of-00002.safetensors" not in files  # the failed save's files are gone
+    ids = torch.randint(0, 100, (1, 6))
+    for kwargs in ({}, {"quantization_config": KbitConfig(k=4)}):
+        a = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.bfloat16, device_map="cpu", **kwargs)
+        b = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cpu", **kwargs)
+        with torch.no_grad():
+            assert torch.equal(a(ids).logits, b(ids).logits)

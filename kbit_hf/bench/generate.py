@@ -4,7 +4,8 @@ as CUDA graphs).
 
 Method. The model comes from a local checkpoint folder, or from a named architecture shape with random bf16 weights
 that is written once to a local folder (so every method pays the same `from_pretrained` path: read, convert,
-quantize). Methods run back to back in one process; each is loaded, measured and freed before the next. For each
+quantize; a shape whose per-expert conversion in `save_pretrained` does not fit the device is written under the
+model's own tensor names, which load without converting). Methods run back to back in one process; each is loaded, measured and freed before the next. For each
 (mode, batch): one full warm-up `generate` (compilation and graph capture happen here and are reported separately),
 then `--repeats` timed `generate` calls of N new tokens with a streamer that timestamps every token as it reaches the
 host (transformers synchronises once per step on CUDA anyway, to check for stopping). Time to first token = call
@@ -112,7 +113,16 @@ def ensure_checkpoint(name: str, layers: int | None, root: str, device: str) -> 
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.02)
-    model.save_pretrained(folder, max_shard_size="4GB")
+    try:
+        model.save_pretrained(folder, max_shard_size=SHARD_BYTES)
+    except torch.OutOfMemoryError:
+        # save_pretrained converts fused experts back to per-expert tensors on the device, a copy the largest shapes
+        # do not leave room for (Qwen3-30B-A3B's 61 GB on an 80 GB GPU): write the model's own tensor names instead
+        for name in os.listdir(folder):
+            os.remove(os.path.join(folder, name))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        save_own_names(model, folder)
     del model
     gc.collect()
     if torch.cuda.is_available():
@@ -120,6 +130,35 @@ def ensure_checkpoint(name: str, layers: int | None, root: str, device: str) -> 
     with open(marker, "w") as f:
         json.dump(spec, f)
     return folder
+
+
+SHARD_BYTES = 4 << 30  # of the random-weight checkpoints
+
+
+def save_own_names(model, folder: str) -> None:
+    """A checkpoint of the model's state dict under its own tensor names (from_pretrained loads those without
+    converting), copied to the host one shard of SHARD_BYTES at a time, with its safetensors index and config.json."""
+    from safetensors.torch import save_file
+
+    shard_bytes, shards, current, size = SHARD_BYTES, [], {}, 0
+    for name, tensor in model.state_dict().items():
+        current[name] = tensor
+        size += tensor.numel() * tensor.element_size()
+        if size >= shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+    if current:
+        shards.append(current)
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        host = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in shard.items()}  # copies: no sharing
+        save_file(host, os.path.join(folder, file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(host, file))
+        total += sum(t.numel() * t.element_size() for t in host.values())
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    model.config.save_pretrained(folder)
 
 
 @dataclass
