@@ -377,11 +377,11 @@ class KbitMoE(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         num_tokens, top_k = x.shape[0], top_k_index.shape[-1]
-        biases = (getattr(self, "gate_up_proj_bias"), getattr(self, "down_proj_bias")) if self.has_bias else ()
+        biases = (self.gate_up_proj_bias, self.down_proj_bias) if self.has_bias else (None, None)
         fused = self.fused_gating is not None and not self.is_shard
         if fused and ops.fuses_moe(x, num_tokens, top_k, self.num_experts, top_k_weights, *biases):
             return self._fused_forward(x, top_k_index.reshape(num_tokens, top_k),
-                                       top_k_weights.reshape(num_tokens, top_k)).view(shape)
+                                       top_k_weights.reshape(num_tokens, top_k), biases).view(shape)
         expert_ids = top_k_index.reshape(-1)
         # Indices >= num_experts are expert-parallel sentinels: their rows contribute nothing.
         valid = (expert_ids >= 0) & (expert_ids < self.num_experts)
@@ -397,14 +397,13 @@ class KbitMoE(nn.Module):
         out = (out.float() * weights.unsqueeze(-1)).view(num_tokens, top_k, -1).sum(dim=1)
         return out.to(hidden_states.dtype).view(shape)
 
-    def _fused_forward(self, x, top_k_index, top_k_weights):
+    def _fused_forward(self, x, top_k_index, top_k_weights, biases):
         def weight(name):
             return (getattr(self, name), getattr(self, name + "_absmax"), getattr(self, name + "_scale"),
                     getattr(self, name + "_codebook"))
 
-        bias = (getattr(self, "gate_up_proj_bias"), getattr(self, "down_proj_bias")) if self.has_bias else (None, None)
-        return ops.moe_experts_forward(x, top_k_index, top_k_weights, weight("gate_up_proj"), bias[0],
-                                       weight("down_proj"), bias[1], self.k, *self.fused_gating)
+        return ops.moe_experts_forward(x, top_k_index, top_k_weights, weight("gate_up_proj"), biases[0],
+                                       weight("down_proj"), biases[1], self.k, *self.fused_gating)
 
     def dequantized_weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         refuse_shard(self, "dequantized_weight")
