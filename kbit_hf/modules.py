@@ -361,10 +361,12 @@ class KbitMoE(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate) * up
 
+    def _packed(self, name: str) -> tuple[torch.Tensor, ...]:
+        """(packed, absmax, scale, codebook) of one quantized projection."""
+        return tuple(getattr(self, name + suffix) for suffix in ("",) + COMPANIONS)
+
     def _proj(self, name: str, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        y = ops.expert_linear_forward(x, expert_ids, getattr(self, name), getattr(self, name + "_absmax"),
-                                      getattr(self, name + "_scale"), getattr(self, name + "_codebook"), self.k,
-                                      self.in_features[name])
+        y = ops.expert_linear_forward(x, expert_ids, *self._packed(name), self.k, self.in_features[name])
         if self.has_bias:
             y = y + getattr(self, name + "_bias")[expert_ids.clamp(0, self.num_experts - 1)].to(y.dtype)
         return y
@@ -398,17 +400,12 @@ class KbitMoE(nn.Module):
         return out.to(hidden_states.dtype).view(shape)
 
     def _fused_forward(self, x, top_k_index, top_k_weights, biases):
-        def weight(name):
-            return (getattr(self, name), getattr(self, name + "_absmax"), getattr(self, name + "_scale"),
-                    getattr(self, name + "_codebook"))
-
-        return ops.moe_experts_forward(x, top_k_index, top_k_weights, weight("gate_up_proj"), biases[0],
-                                       weight("down_proj"), biases[1], self.k, *self.fused_gating)
+        return ops.moe_experts_forward(x, top_k_index, top_k_weights, self._packed("gate_up_proj"), biases[0],
+                                       self._packed("down_proj"), biases[1], self.k, *self.fused_gating)
 
     def dequantized_weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         refuse_shard(self, "dequantized_weight")
-        w = ops.dequantize(getattr(self, name), getattr(self, name + "_absmax"), getattr(self, name + "_scale"),
-                           getattr(self, name + "_codebook"), self.k, self.in_features[name], dtype)
+        w = ops.dequantize(*self._packed(name), self.k, self.in_features[name], dtype)
         return w.transpose(-1, -2).contiguous() if self.is_transposed else w
 
     def to_experts(self, dtype: torch.dtype) -> nn.Module:

@@ -226,8 +226,8 @@ _OPS = {"quantize": quantize, "dequantize": dequantize, "linear": linear, "exper
 # torch.compile or autograd the custom ops above are what runs)
 _EAGER_LINEAR: dict[str, Callable] = {}
 _EAGER_EXPERT_LINEAR: dict[str, Callable] = {}
-# device type -> (the fused experts block, whether it runs for (rows, dtype)); devices without one run KbitMoE's
-# per-projection path
+# device type -> (the fused experts block, whether it runs for (tokens, top_k, experts, dtype)); devices without one
+# run KbitMoE's per-projection path
 _MOE_EXPERTS: dict[str, tuple[Callable, Callable]] = {}
 # device types whose backend has a kernel for `kbit::router_topk` (elsewhere the op is torch's own ops, no faster)
 _ROUTER_KERNELS: set[str] = set()

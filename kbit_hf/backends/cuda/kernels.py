@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ... import format as fmt
+from .. import reference
 from . import dispatch, library
 from .library import DTYPE_CODE, check
 from .tiled import gemm_k_order, is_tiled
@@ -415,9 +416,7 @@ def moe_experts(x, top_k_index, top_k_weights, gu_packed, gu_absmax, gu_scale, g
     """ops.moe_experts on CUDA: the two fused kernels for fp16 / bf16 x, the reference otherwise."""
     gate_up, down = (gu_packed, gu_absmax, gu_scale, gu_codebook), (d_packed, d_absmax, d_scale, d_codebook)
     if x.dtype not in dispatch.GEMV_DTYPES:
-        from ..reference import moe_experts as reference_moe_experts
-
-        return reference_moe_experts(x, top_k_index, top_k_weights, gate_up, gate_up_bias, down, down_bias, k, gate,
+        return reference.moe_experts(x, top_k_index, top_k_weights, gate_up, gate_up_bias, down, down_bias, k, gate,
                                      alpha, limit)
     T, top_k = top_k_index.shape
     h = torch.empty((T * top_k, gu_packed.shape[1] // 2), dtype=x.dtype, device=x.device)
@@ -436,9 +435,7 @@ def router_topk(logits, k, mode, renorm, out_dtype):
     E = logits.shape[-1]
     if (mode not in ROUTER_MODES or not 1 <= k <= min(E, 32) or E > ROUTER_MAX_E or logits.dtype not in DTYPE_CODE
             or out_dtype not in DTYPE_CODE):
-        from ..reference import router_topk as reference_router_topk
-
-        return reference_router_topk(logits, k, mode, renorm, out_dtype)
+        return reference.router_topk(logits, k, mode, renorm, out_dtype)
     _need("router_topk", logits)
     x = logits.contiguous()
     tokens = x.numel() // E
@@ -469,9 +466,7 @@ def _expert_grouped_mm(x, expert_ids, packed, absmax, scale, codebook, k, in_fea
 
 def _expert_loop(x, expert_ids, packed, absmax, scale, codebook, k, in_features):
     """One linear per expert present (one host sync)."""
-    from ..reference import rows_by_expert
-
     y = torch.zeros((x.shape[0], packed.shape[1]), dtype=x.dtype, device=x.device)
-    for e, rows in rows_by_expert(expert_ids, packed.shape[0]):
+    for e, rows in reference.rows_by_expert(expert_ids, packed.shape[0]):
         y[rows] = linear(x[rows], packed[e], absmax[e], scale[e], codebook, k, in_features).to(x.dtype)
     return y
