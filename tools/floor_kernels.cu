@@ -23,10 +23,14 @@
 //                 registers (lane * 16 + 512 j: whole lines per instruction) and its scale word, S items ahead.
 //                 mode + 4: the CTA's items dealt to its warps in turn (warp w: c0 + w, c0 + w + W, ...) instead of in
 //                 W contiguous ranges, so that the items in flight at a time are neighbours in memory.
+#include <cuda.h>
 #include <cuda_runtime.h>
+
 #include <cstdint>
+#include <type_traits>
 
 namespace {
+#include "../csrc/kbit_sm90.cuh"  // mbarriers, bulk copies, shared loads
 __global__ void empty_kernel() {}
 
 __global__ void __launch_bounds__(256) read_kernel(const uint4* __restrict__ p, int64_t n, unsigned* sink) {
@@ -106,42 +110,15 @@ __global__ void __launch_bounds__(256) tileread_kernel(const uint32_t* __restric
   if (acc == 0x9E3779B9u && threadIdx.x == 1023) *sink = acc;  // never true: blockDim.x <= 256
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define FLOOR_SM90 1
-#else
-#define FLOOR_SM90 0
-#endif
-__device__ __forceinline__ void fl_mbar_init(uint32_t bar) {
-#if FLOOR_SM90
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void fl_mbar_wait(uint32_t bar, uint32_t parity) {
-#if FLOOR_SM90
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-#endif
-}
+// the slot's weights and scale words, by two bulk copies that complete on the slot's barrier
 __device__ __forceinline__ void fl_fetch(uint32_t dst, const uint8_t* w, uint32_t iw, const uint8_t* a, uint32_t bar) {
-#if FLOOR_SM90
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(iw + 128) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst), "l"(w), "r"(iw), "r"(bar) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst + iw), "l"(a), "r"(128u), "r"(bar) : "memory");
-#endif
+  mbar_expect_tx(bar, iw + 128);
+  bulk_copy(dst, w, iw, bar);
+  bulk_copy(dst + iw, a, 128u, bar);
 }
 __device__ __forceinline__ uint4 fl_lds128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ uint32_t fl_lds(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
   return v;
 }
 
@@ -188,7 +165,7 @@ __global__ void __launch_bounds__(512, 1) itemread_kernel(const uint8_t* __restr
     const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem);
     const uint32_t bars = base + warp * S * 8, slots = base + ((NW * S * 8 + 127) & ~127u) + warp * S * IB;
     if (lane == 0) {
-      for (int s = 0; s < S; ++s) fl_mbar_init(bars + 8 * s);
+      for (int s = 0; s < S; ++s) mbar_init(bars + 8 * s, 1);
       for (int s = 0; s < S && s < nj; ++s)
         fl_fetch(slots + s * IB, w + item(s) * IW, IW, a + item(s) * 128, bars + 8 * s);
     }
@@ -196,7 +173,7 @@ __global__ void __launch_bounds__(512, 1) itemread_kernel(const uint8_t* __restr
     uint32_t s = 0, phase = 0;
     for (int u = 0; u < nj; ++u) {
       const uint32_t bar = bars + 8 * s, sl = slots + s * IB;
-      fl_mbar_wait(bar, phase);
+      mbar_wait(bar, phase);
       if constexpr (MODE == 0) {
         constexpr uint32_t LB = IW / 64;  // bytes per lane and chunk
 #pragma unroll
@@ -204,11 +181,9 @@ __global__ void __launch_bounds__(512, 1) itemread_kernel(const uint8_t* __restr
           const uint4 v = fl_lds128(sl + (i / (IW / 1024)) * (IW / 2) + lane * LB + (i % (IW / 1024)) * 16);
           acc ^= v.x ^ v.y ^ v.z ^ v.w;
         }
-        acc ^= fl_lds(sl + IW + g * 4) ^ fl_lds(sl + IW + (g + 8) * 4) ^ fl_lds(sl + IW + 64 + g * 4) ^
-               fl_lds(sl + IW + 64 + (g + 8) * 4);
-#if FLOOR_SM90
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
+        acc ^= lds_at(sl + IW + g * 4) ^ lds_at(sl + IW + (g + 8) * 4) ^ lds_at(sl + IW + 64 + g * 4) ^
+               lds_at(sl + IW + 64 + (g + 8) * 4);
+        fence_proxy_async();
       }
       __syncwarp();
       if (lane == 0 && u + S < nj) fl_fetch(sl, w + item(u + S) * IW, IW, a + item(u + S) * 128, bar);
