@@ -5,9 +5,9 @@ count, the wall time per step, and the host (CPU) self time by op.
 
 usage (from the repository root):
   PYTHONPATH=. python tools/profile_decode.py METHOD [--model SHAPE --layers L | --checkpoint FOLDER]
-         [--mode static|eager] [--batch B] [--new-tokens N]
+         [--mode static|eager] [--batch B[,B...]] [--new-tokens N]
 METHOD: one of `kbit-bench generate --methods` (bf16, kbit4, kbit2-head, bnb-nf4, ...). A named shape gets a
-random-weight checkpoint under --workdir, as `kbit-bench generate` writes it.
+random-weight checkpoint under --workdir, as `kbit-bench generate` writes it. Several batch sizes share one load.
 """
 
 import argparse
@@ -42,14 +42,19 @@ def main():
     p.add_argument("method")
     add_model_arguments(p)
     p.add_argument("--mode", choices=("static", "eager"), default="static")
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", default="1", help="comma-separated batch sizes, profiled one after the other")
     p.add_argument("--new-tokens", type=int, default=17)
     args = p.parse_args()
     folder = args.checkpoint or ensure_checkpoint(args.model, args.layers, args.workdir, "cuda")
     m = parse_methods(args.method)[0]
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda",
                                                  quantization_config=m.quantization_config()).eval()
-    ids = torch.randint(10, 1000, (args.batch, 64), device="cuda")
+    for batch in (int(b) for b in args.batch.split(",")):
+        profile_batch(model, args, batch)
+
+
+def profile_batch(model, args, batch: int) -> None:
+    ids = torch.randint(10, 1000, (batch, 64), device="cuda")
     kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
     if args.mode == "static":
         kw["cache_implementation"] = "static"
@@ -71,13 +76,13 @@ def main():
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof_1:
             gen(1)
     gpu = per_step(prof_n, prof_1, steps, "gpu")
-    print(f"\n== {args.method} {args.mode}, batch {args.batch}: per decode step, wall "
+    print(f"\n== {args.method} {args.mode}, batch {batch}: per decode step, wall "
           f"{(tn - t1) / steps * 1e3:.3f} ms, GPU busy {sum(t for t, _ in gpu.values()):.0f} us in {sum(c for _, c in gpu.values()):.0f} kernels")
     print(f"{'us/step':>9} {'calls':>6} {'us/call':>8}  kernel")
     for name, (t, c) in sorted(gpu.items(), key=lambda kv: -kv[1][0])[:30]:
         print(f"{t:9.1f} {c:6.1f} {t / c:8.2f}  {name[:110]}")
     cpu = per_step(prof_n, prof_1, steps, "cpu")
-    print(f"host self time per step: {sum(t for t, _ in cpu.values()):.0f} us")
+    print(f"host self time per step (under the profiler): {sum(t for t, _ in cpu.values()):.0f} us")
     print(f"{'us/step':>9} {'calls':>6}  op")
     for name, (t, c) in sorted(cpu.items(), key=lambda kv: -kv[1][0])[:20]:
         print(f"{t:9.1f} {c:6.1f}  {name[:110]}")
