@@ -119,7 +119,7 @@ def test_calibrate_benchmark_tiny_cpu(tmp_path, capsys):
     assert "calibrated K=3" in capsys.readouterr().out
 
 
-def test_checkpoint_of_a_model_too_large_to_convert_on_the_device(tmp_path, monkeypatch):
+def test_checkpoint_of_a_model_too_large_to_convert_on_the_device(tmp_path, monkeypatch, capsys):
     """Where save_pretrained runs out of device memory (its per-expert conversion), the benchmark writes the model's
     own tensor names in shards instead; from_pretrained loads them to the same model, bf16 and quantized."""
     import transformers
@@ -138,6 +138,7 @@ def test_checkpoint_of_a_model_too_large_to_convert_on_the_device(tmp_path, monk
     monkeypatch.setattr(generate, "SHARD_BYTES", 1 << 16)
     folder = generate.ensure_checkpoint("tiny-qwen3-moe", None, str(tmp_path / "own"), "cpu")
     monkeypatch.undo()
+    assert "ran out of device memory" in capsys.readouterr().err  # the fallback says so
     files = sorted(os.listdir(folder))
     assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) > 2
     assert "model-00001-of-00002.safetensors" not in files  # the failed save's files are gone

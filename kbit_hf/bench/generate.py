@@ -31,6 +31,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -118,6 +119,8 @@ def ensure_checkpoint(name: str, layers: int | None, root: str, device: str) -> 
     except torch.OutOfMemoryError:
         # save_pretrained converts fused experts back to per-expert tensors on the device, a copy the largest shapes
         # do not leave room for (Qwen3-30B-A3B's 61 GB on an 80 GB GPU): write the model's own tensor names instead
+        print(f"save_pretrained ran out of device memory: writing {folder} under the model's own tensor names",
+              file=sys.stderr, flush=True)
         for name in os.listdir(folder):
             os.remove(os.path.join(folder, name))
         if torch.cuda.is_available():
