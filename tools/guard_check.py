@@ -12,6 +12,7 @@ usage (from the repository root):
 
 import argparse
 import gc
+import statistics
 import tempfile
 
 import torch
@@ -37,12 +38,13 @@ def guard_check_us(model, ids, rounds: int, calls: int = 100) -> tuple[float, fl
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     for _ in range(calls):
                         compiled(ids, use_cache=False)
-                event = next(e for e in prof.key_averages() if e.key == "TorchDynamo Cache Lookup")
-                times.append(event.cpu_time_total / event.count)
+                events = [e for e in prof.key_averages() if e.key == "TorchDynamo Cache Lookup"]
+                if not events:
+                    raise RuntimeError("the profile has no 'TorchDynamo Cache Lookup' event: did the model compile?")
+                times.append(events[0].cpu_time_total / events[0].count)
         finally:
             gc.enable()
-    times.sort()
-    return times[0], times[len(times) // 2]
+    return min(times), statistics.median(times)
 
 
 def main():
@@ -51,16 +53,16 @@ def main():
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--rounds", type=int, default=6)
     args = p.parse_args()
-    folder = tempfile.mkdtemp()
-    tiny_model(args.family, dtype=torch.float32, num_hidden_layers=args.layers).save_pretrained(folder)
     ids = torch.randint(0, 300, (1, 1))
-    for name, config in (("fp32", None), ("kbit K=4", KbitConfig(k=4))):
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map="cpu",
-                                                     quantization_config=config).eval()
-        tensors = sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())
-        fastest, median = guard_check_us(model, ids, args.rounds)
-        print(f"{args.family}, {args.layers} layers, {name}: guard check {fastest:.1f} us fastest, {median:.1f} us "
-              f"median; {tensors} tensors")
+    with tempfile.TemporaryDirectory() as folder:
+        tiny_model(args.family, dtype=torch.float32, num_hidden_layers=args.layers).save_pretrained(folder)
+        for name, config in (("fp32", None), ("kbit K=4", KbitConfig(k=4))):
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map="cpu",
+                                                         quantization_config=config).eval()
+            tensors = sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())
+            fastest, median = guard_check_us(model, ids, args.rounds)
+            print(f"{args.family}, {args.layers} layers, {name}: guard check {fastest:.1f} us fastest, "
+                  f"{median:.1f} us median; {tensors} tensors")
 
 
 if __name__ == "__main__":

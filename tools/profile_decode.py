@@ -45,11 +45,14 @@ def main():
     p.add_argument("--batch", default="1", help="comma-separated batch sizes, profiled one after the other")
     p.add_argument("--new-tokens", type=int, default=17)
     args = p.parse_args()
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be at least 2 (the profile is an N-token generate minus a 1-token one)")
     folder = args.checkpoint or ensure_checkpoint(args.model, args.layers, args.workdir, "cuda")
     m = parse_methods(args.method)[0]
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda",
                                                  quantization_config=m.quantization_config()).eval()
     for batch in (int(b) for b in args.batch.split(",")):
+        torch._dynamo.reset()  # each batch size compiles its own graph, as it would in a fresh process
         profile_batch(model, args, batch)
 
 
@@ -76,8 +79,9 @@ def profile_batch(model, args, batch: int) -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof_1:
             gen(1)
     gpu = per_step(prof_n, prof_1, steps, "gpu")
-    print(f"\n== {args.method} {args.mode}, batch {batch}: per decode step, wall "
-          f"{(tn - t1) / steps * 1e3:.3f} ms, GPU busy {sum(t for t, _ in gpu.values()):.0f} us in {sum(c for _, c in gpu.values()):.0f} kernels")
+    busy, kernels = sum(t for t, _ in gpu.values()), sum(c for _, c in gpu.values())
+    print(f"\n== {args.method} {args.mode}, batch {batch}: per decode step (mean of {steps}), wall "
+          f"{(tn - t1) / steps * 1e3:.3f} ms, GPU busy {busy:.0f} us in {kernels:.0f} kernels")
     print(f"{'us/step':>9} {'calls':>6} {'us/call':>8}  kernel")
     for name, (t, c) in sorted(gpu.items(), key=lambda kv: -kv[1][0])[:30]:
         print(f"{t:9.1f} {c:6.1f} {t / c:8.2f}  {name[:110]}")
