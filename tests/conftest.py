@@ -19,3 +19,25 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+class ReferenceOnCpu:
+    """Inside the block the "cpu" backend runs the pure-PyTorch reference ops (kbit_hf/backends/reference.py); the
+    compiled CPU library again afterwards."""
+
+    def __enter__(self):
+        from kbit_hf import ops
+        from kbit_hf.backends import reference
+
+        ops.register_backend("cpu", quantize=reference.quantize, dequantize=reference.dequantize,
+                             linear=reference.linear, expert_linear=reference.expert_linear)
+
+    def __exit__(self, *exc):
+        from kbit_hf.backends import cpu
+
+        cpu.register()
+
+
+@pytest.fixture
+def reference_on_cpu():
+    return ReferenceOnCpu()

@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM
 
 from kbit_hf import KbitConfig, ops
 from kbit_hf import format as fmt
-from kbit_hf.backends import cpu as cpu_backend
 from kbit_hf.backends import reference
 from kbit_hf.backends.cpu import dispatch, kernels, library
 from tiny_models import VOCAB, tiny_model
@@ -268,20 +267,9 @@ def test_entry_points_check_their_inputs():
 
 # ---- end to end ------------------------------------------------------------------------------------------------
 
-class _reference_on_cpu:
-    """The reference ops as the "cpu" kernels inside the block; the compiled backend again afterwards."""
-
-    def __enter__(self):
-        ops.register_backend("cpu", quantize=reference.quantize, dequantize=reference.dequantize,
-                             linear=reference.linear, expert_linear=reference.expert_linear)
-
-    def __exit__(self, *exc):
-        cpu_backend.register()
-
-
 @needs_lib
 @pytest.mark.parametrize("family", ("llama", "qwen3_moe"))
-def test_tiny_model_decodes_the_same_tokens(family, tmp_path):
+def test_tiny_model_decodes_the_same_tokens(family, tmp_path, reference_on_cpu):
     tiny_model(family, dtype=torch.float32).save_pretrained(tmp_path)
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
 
@@ -293,7 +281,7 @@ def test_tiny_model_decodes_the_same_tokens(family, tmp_path):
 
     assert ops._EAGER_LINEAR.get("cpu") is kernels.linear
     sd, gen = run()
-    with _reference_on_cpu():
+    with reference_on_cpu:
         assert "cpu" not in ops._EAGER_LINEAR
         sd_ref, gen_ref = run()
     assert ops._EAGER_LINEAR.get("cpu") is kernels.linear
