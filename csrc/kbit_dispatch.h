@@ -47,9 +47,14 @@ inline int gemv_warps(bool fold, int64_t ctas, int64_t nb, int sms) {
   return few_ctas && nb >= 16 * GEMV_STEP_BLOCKS ? 8 : 4;
 }
 
-// Expert modes at M <= 8 on rows of at most 8 steps (in <= 2048): CTAs of 8 row groups x 1 warp, no k split. Such rows
-// give a k-split warp one or two steps, so the per-CTA start (the pair table) and the split's reduction cost more than
-// the steps: on Qwen3-30B-A3B's experts (2048 / 768 inputs) one block runs 1.2-1.5x faster at 4-64 tokens.
+// Expert modes at M <= 8 on rows of at most 8 steps (in <= 2048): CTAs of GEMV_EXPERT_SHORT_ROW_GROUPS row groups x 1
+// warp, no k split. Such rows give a k-split warp one or two steps, so the per-CTA start (the pair table) and the
+// split's reduction cost more than the steps: on Qwen3-30B-A3B's experts (2048 / 768 inputs) one block runs 1.2-1.5x
+// faster at 4-64 tokens. 4 row groups rather than 8: a CTA's warps finish their few steps at different times and hold
+// its registers until the last one does, so smaller CTAs free an SM's slots sooner; the block (grouped GEMV) at 8-64
+// tokens 1.03-1.05x faster than with 8, per-row 1.02-1.07x (H100, CUDA graph, one process per build); 2 row groups
+// are even with 4.
+constexpr int GEMV_EXPERT_SHORT_ROW_GROUPS = 4;
 inline bool gemv_expert_short_rows(int64_t nb) { return nb <= 8 * GEMV_STEP_BLOCKS; }
 // CTA shape for M = 9..64 (NT token tiles): rw row groups x kw k-split warps. 64-row CTAs (rw = 4) for out >= 8192,
 // else 32: the row groups of a split share each step's staged activations. Then the fewest k splits that give at least
@@ -81,7 +86,7 @@ inline int64_t expert_item_rows(int64_t N, int64_t E) {
 // ---- fused MoE experts (kbit_gemv.cu, kbit_moe_gate_up / kbit_moe_down), few rows ----
 // gate_up: CTAs of 2 row groups (8 outputs = 8 gate and 8 up weight rows each), 2 k-split warps on rows of at most 8
 // steps, else 1. The per-row expert GEMV in these shapes on an H100, one call per layer's rows in a CUDA graph,
-// microseconds, against its own rule (8 row groups x 1 warp on short rows, else 1 x gemv_warps): Qwen3-30B-A3B's
+// microseconds, against its own rule then (8 row groups x 1 warp on short rows, else 1 x gemv_warps): Qwen3-30B-A3B's
 // gate_up at 8 rows 11.0 against 14.3, gpt-oss-20b's at 4 rows 24.8 against 27.2, Mixtral-8x7B's at 2 rows 62.7
 // against 67.0. down: one row group and the dense GEMV's k split (gemv_warps) over the token's top_k rows walked as
 // one long row (`row_blocks` blocks; `ctas`: tiles x tokens).

@@ -895,7 +895,7 @@ int launch_nt(int64_t M, const void* x, const uint32_t* packed, const void* absm
 }
 
 // M <= 8 rows (per-row expert mode: one row per CTA row, `items` = N; grouped: items of at most 8 rows), 16- or
-// folded 8-row tiles; expert rows of few steps in CTAs of 8 row groups (gemv_expert_short_rows)
+// folded 8-row tiles; expert rows of few steps in CTAs of several row groups (gemv_expert_short_rows)
 template <int K, typename T>
 int launch_m8(int64_t M, const void* x, const uint32_t* packed, const void* absmax, int fp16, const float* scale,
               const float* cb, int64_t out, int64_t in, int64_t nb, int vec, const void* bias, void* y,
@@ -904,7 +904,7 @@ int launch_m8(int64_t M, const void* x, const uint32_t* packed, const void* absm
   if (!current_device_sms(dev, sms)) return (int)cudaErrorInvalidDevice;
   const bool expert = er.ids != nullptr || er.order != nullptr;
   const bool short_rows = expert && gemv_expert_short_rows(nb);
-  const int RW = short_rows ? GEMV_MAX_WARPS : 1;  // row groups per CTA
+  const int RW = short_rows ? GEMV_EXPERT_SHORT_ROW_GROUPS : 1;  // row groups per CTA
   const bool fold = er.order == nullptr && !short_rows && gemv_fold(K, M, in, ((out + TILE - 1) / TILE) * busy, sms);
   const int tr = fold ? 8 : TILE;
   const int64_t tiles = (out + tr * RW - 1) / (tr * RW);
