@@ -88,9 +88,12 @@ def test_which_expert_path_runs(monkeypatch, gemm):
 
 
 def test_which_moe_blocks_run_fused():
-    """dispatch.moe_fused: fp16 / bf16 blocks of one token, or of at most E / 4 rows (tokens x top-k)."""
+    """dispatch.moe_fused: fp16 / bf16 blocks of one token, or of at most E / 4 rows (tokens x top-k), E / 2 from 64
+    experts."""
     bf16 = torch.bfloat16
     assert dispatch.moe_fused(1, 2, 8, bf16) and not dispatch.moe_fused(2, 2, 8, bf16)  # Mixtral: 1 token
-    assert dispatch.moe_fused(4, 8, 128, torch.float16) and not dispatch.moe_fused(5, 8, 128, bf16)  # Qwen3: 4 tokens
+    assert dispatch.moe_fused(8, 8, 128, torch.float16) and not dispatch.moe_fused(9, 8, 128, bf16)  # Qwen3: 8 tokens
+    assert dispatch.moe_fused(2, 4, 32, bf16) and not dispatch.moe_fused(3, 4, 32, bf16)  # gpt-oss-20b: 2 tokens
+    assert dispatch.moe_fused(16, 2, 64, bf16) and not dispatch.moe_fused(8, 2, 63, bf16)  # E / 2 from 64 experts
     assert dispatch.moe_fused(1, 16, 8, bf16)  # one token's rows name distinct experts, however many
     assert not dispatch.moe_fused(0, 8, 128, bf16) and not dispatch.moe_fused(1, 2, 8, torch.float32)
