@@ -52,8 +52,8 @@ inline int gemv_warps(bool fold, int64_t ctas, int64_t nb, int sms) {
 // split's reduction cost more than the steps: on Qwen3-30B-A3B's experts (2048 / 768 inputs) one block runs 1.2-1.5x
 // faster at 4-64 tokens. 4 row groups rather than 8: a CTA's warps finish their few steps at different times and hold
 // its registers until the last one does, so smaller CTAs free an SM's slots sooner; the block (grouped GEMV) at 8-64
-// tokens 1.03-1.05x faster than with 8, per-row 1.02-1.07x (H100, CUDA graph, one process per build); 2 row groups
-// are even with 4.
+// tokens 1.03-1.05x faster than with 8, per-row 1.05-1.07x (H100, CUDA graph, one process per build); 2 row groups
+// are within 2% of 4.
 constexpr int GEMV_EXPERT_SHORT_ROW_GROUPS = 4;
 inline bool gemv_expert_short_rows(int64_t nb) { return nb <= 8 * GEMV_STEP_BLOCKS; }
 // CTA shape for M = 9..64 (NT token tiles): rw row groups x kw k-split warps. 64-row CTAs (rw = 4) for out >= 8192,

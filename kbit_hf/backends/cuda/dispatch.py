@@ -10,7 +10,7 @@ batch size, shape and GPU is the library's choice: csrc/kbit_dispatch.h. docs/de
 | `expert_linear`, bf16, at least EXPERT_GROUPED_MM_MIN_ROWS rows per expert on average, compute capability >= 9.0 (where the GEMM does not run): every expert dequantized to bf16, then `torch._grouped_mm` | with that many rows per expert the tensor-core grouped GEMM outruns the GEMV-class kernel by more than the dequantization costs (numbers below) |
 | `expert_linear`, other fp16 / bf16: the library's expert kernel (per-row, or rows grouped by expert: its choice) | sorts the rows by expert on the device (no host sync, capturable) and reads each expert tile once per up to 64 of its rows |
 | `expert_linear`, fp32 activations: one `linear` per expert present | the reference-precision path; one host sync |
-| KbitMoE, fp16 / bf16, inference, one token or at most E / 4 rows (tokens x top-k; E / 2 from 64 experts: `moe_fused`), SiLU or gpt-oss gating: the whole experts block as two library kernels (`moe_experts`: gate_up with the gating in its epilogue, down with the routing-weighted sum over the top-k) | each row reads its expert's tile: one token's rows name distinct experts, and while rows rarely share one that costs less than sorting the rows by expert; fusing drops the rows' repeat, the gating and the weighted sum (numbers below) |
+| KbitMoE, fp16 / bf16, inference, one token or at most E / 4 rows (tokens x top-k; E / 2 from 64 experts: `moe_fused`), SiLU or gpt-oss gating: the whole experts block as two library kernels (`moe_experts`: gate_up with the gating in its epilogue, down with the routing-weighted sum over the top-k) | each row reads its expert's tile: one token's rows name distinct experts, and while rows share one only now and then that costs less than sorting the rows by expert; fusing drops the rows' repeat, the gating and the weighted sum (numbers below) |
 | tiled layout: e4m4 scales, out % 16 == 0, in % 256 == 0, out * in >= TILED_MIN_NUMEL[K], sm_90 | the tiled GEMV streams whole tiles with the TMA; on smaller layers a persistent kernel's start costs more than it saves |
 """
 
@@ -113,14 +113,15 @@ EXPERT_GEMM_MAX_E = 8192  # the rows' sort counts its buckets in shared memory (
 
 # The fused experts block for one token (its top-k rows name distinct experts, so each row reading its expert reads
 # what a sort by expert would) and for several tokens of up to E / 2 rows on layers of at least MOE_MANY_EXPERTS
-# experts, E / 4 on fewer. Rows then share an expert now and then, and the fused block reads it
-# once per row; that costs less than the sorts, the rows' repeat, the gating and the sum of the per-projection path
-# while the experts are small (Qwen3-30B-A3B's 2.5 MB at K = 4), not for gpt-oss-20b's 13 MB or Mixtral-8x7B's 94 MB.
+# experts, E / 4 on fewer. Rows then share an expert now and then, and the fused block reads it once per row; on
+# Qwen3-30B-A3B's 128 small experts (2.5 MB at K = 4) that costs less than the per-projection path's sorts, row
+# repeat, gating and sum up to E / 2 rows, on Mixtral-8x7B's 8 experts of 94 MB it does not (E / 2 = 4 rows). The
+# threshold of 64 experts lies between the two measured shapes; gpt-oss-20b's 32 (13 MB) was not measured at E / 2.
 # One experts block on an H100, K = 4, microseconds, fused | the per-row GEMV path | the grouped GEMV path (rows
 # sorted by expert), by tokens (Qwen3-30B-A3B's 2-16 tokens in one later run):
 #   Qwen3-30B-A3B (128 experts, top-8)  1: 25.7 | 41.5 | 49.5   2: 35.0 | 56.1 | 61.0   4: 59.4 | 75.6 | 85.8
 #                                       8 (E / 2 rows): 101.6 | 115.0 | 118.3   16: 189.3 | 199.6 | 166.7
-#   gpt-oss-20b (32 experts, top-4)     1: 50.2 | 63.8 | 72.2   2: 81.2 | 96.2 | 109.6  4 (E / 2): 162.9 | 161.1 | 157.0
+#   gpt-oss-20b (32 experts, top-4)     1: 50.2 | 63.8 | 72.2   2: 81.2 | 96.2 | 109.6  4: ... | 161.1 | 157.0
 #   Mixtral-8x7B (8 experts, top-2)     1: 115.6 | 126.0 | 143.0  2 (E / 2): 212.8 | 217.1 | 197.1
 #                                       4: 399.7 | 403.5 | 404.7
 MOE_MANY_EXPERTS = 64
