@@ -41,6 +41,29 @@ def test_generate_benchmark_tiny_cpu(tmp_path, capsys):
     assert main(["plot", str(out_json), str(tmp_path / "again.png")]) == 0
 
 
+def test_generate_benchmark_keeps_each_finished_run(tmp_path, monkeypatch):
+    """The JSON holds every measured run as soon as it is measured: a process killed mid-method loses only its
+    current run."""
+    out_json = tmp_path / "r.json"
+    real, calls = generate.measure, []
+
+    def measure_then_die(*a, **kw):
+        calls.append(kw["batch"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # stands in for a kill: nothing after this point runs
+        return real(*a, **kw)
+
+    monkeypatch.setattr(generate, "measure", measure_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        main(["generate", "--model", "tiny-qwen3-moe", "--methods", "bf16", "--modes", "eager", "--batch", "1,2",
+              "--prompt-len", "8", "--new-tokens", "3", "--device", "cpu", "--workdir", str(tmp_path / "ckpt"),
+              "--json", str(out_json)])
+    report = json.loads(out_json.read_text())
+    assert [r["method"] for r in report["results"]] == ["bf16"]
+    assert [(r["mode"], r["batch"]) for r in report["results"][0]["runs"]] == [("eager", 1)]
+    assert report["results"][0]["runs"][0]["decode_tok_s"] > 0
+
+
 def test_generate_benchmark_rejects_bad_arguments():
     with pytest.raises(ValueError, match="unknown method 'kbit7'"):
         generate.parse_methods("bf16,kbit7")

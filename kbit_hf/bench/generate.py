@@ -354,8 +354,8 @@ def measure(model, device, *, batch: int, prompt_len: int, new_tokens: int, stat
     }
 
 
-def run_method(method: Method, folder: str, device, args, progress) -> dict:
-    """Load one method, measure every (mode, batch), free it."""
+def run_method(method: Method, folder: str, device, args, progress, after_run=None) -> dict:
+    """Load one method, measure every (mode, batch), free it. after_run(result so far) follows each measurement."""
     from transformers import AutoModelForCausalLM
 
     from .. import _register  # noqa: F401  (registers KbitConfig with transformers)
@@ -393,6 +393,8 @@ def run_method(method: Method, folder: str, device, args, progress) -> dict:
                 res["runs"].append({"batch": batch, "mode": mode,
                                     "error": f"{type(exc).__name__}: {str(exc)[:500]}"})
             progress.update(1)
+            if after_run is not None:
+                after_run(res)
             if mode == "static":  # a new batch size recompiles anyway; free the old graphs' pools first
                 _free(device)
     del model
@@ -536,11 +538,14 @@ def run(args) -> int:
               "results": []}
     total = len(methods) * len(args.modes) * len(args.batch)
     defer = deferred_stop_on_cuda() if args.defer_stop else contextlib.nullcontext()
+    def keep(partial=None):  # the results so far survive a later crash or a killed process
+        if args.json and _rank() == 0:
+            _write_json({**report, "results": report["results"] + ([partial] if partial else [])}, args.json)
+
     with defer, tqdm(total=total, desc="generate benchmark", unit="run", disable=_rank() != 0) as progress:
         for method in methods:
-            report["results"].append(run_method(method, folder, device, args, progress))
-            if args.json and _rank() == 0:  # keep partial results if a later method crashes the process
-                _write_json(report, args.json)
+            report["results"].append(run_method(method, folder, device, args, progress, after_run=keep))
+            keep()
     _compare_modes(report["results"])
     if _rank() != 0:
         return 0
