@@ -49,5 +49,9 @@ if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None,
          sys.argv[4] if len(sys.argv) > 4 else None)
     if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+        dist.barrier()  # both ranks are done with the group
+    # On the CPU (gloo, torch 2.13) a rank now and then aborts in a background thread while the interpreter shuts down
+    # after everything above is done (about 1 launch in 30): leave without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
