@@ -36,8 +36,3 @@ class ReferenceOnCpu:
         from kbit_hf.backends import cpu
 
         cpu.register()
-
-
-@pytest.fixture
-def reference_on_cpu():
-    return ReferenceOnCpu()

@@ -15,6 +15,7 @@ from kbit_hf import KbitConfig, ops
 from kbit_hf import format as fmt
 from kbit_hf.backends import reference
 from kbit_hf.backends.cpu import dispatch, kernels, library
+from conftest import ReferenceOnCpu
 from tiny_models import VOCAB, tiny_model
 
 needs_lib = pytest.mark.skipif(not library.available(), reason=f"no CPU library: {library.load_error()}")
@@ -269,7 +270,7 @@ def test_entry_points_check_their_inputs():
 
 @needs_lib
 @pytest.mark.parametrize("family", ("llama", "qwen3_moe"))
-def test_tiny_model_decodes_the_same_tokens(family, tmp_path, reference_on_cpu):
+def test_tiny_model_decodes_the_same_tokens(family, tmp_path):
     tiny_model(family, dtype=torch.float32).save_pretrained(tmp_path)
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
 
@@ -281,7 +282,7 @@ def test_tiny_model_decodes_the_same_tokens(family, tmp_path, reference_on_cpu):
 
     assert ops._EAGER_LINEAR.get("cpu") is kernels.linear
     sd, gen = run()
-    with reference_on_cpu:
+    with ReferenceOnCpu():
         assert "cpu" not in ops._EAGER_LINEAR
         sd_ref, gen_ref = run()
     assert ops._EAGER_LINEAR.get("cpu") is kernels.linear

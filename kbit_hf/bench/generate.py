@@ -538,6 +538,7 @@ def run(args) -> int:
               "results": []}
     total = len(methods) * len(args.modes) * len(args.batch)
     defer = deferred_stop_on_cuda() if args.defer_stop else contextlib.nullcontext()
+
     def keep(partial=None):  # the results so far survive a later crash or a killed process
         if args.json and _rank() == 0:
             _write_json({**report, "results": report["results"] + ([partial] if partial else [])}, args.json)
