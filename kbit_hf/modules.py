@@ -91,6 +91,9 @@ class KbitLinear(nn.Linear):
 
     # transformers' tensor-parallel hooks hand this module plain local tensors (its parameters and activations)
     _hf_quantized_needs_local_tp = True
+    # the sibling group whose fused weight this layer's rows are a view of (fuse_siblings), and its place there
+    _siblings: KbitSiblings | None = None
+    _sibling_index = 0
 
     def __init__(self, in_features: int, out_features: int, bias: bool, k: int, absmax_format: str,
                  codebook: torch.Tensor, *, pre_quantized: bool, dtype=None, device=None):
@@ -133,6 +136,8 @@ class KbitLinear(nn.Linear):
         # A move between devices (.to / .cuda / .cpu) leaves the layout from_pretrained would have chosen there;
         # other _apply calls (dtype casts, share_memory_) keep it, and so do moves off the meta device (no data yet).
         before = self.weight.device
+        if self._siblings is not None and fn(torch.empty(0, device=before)).device != before:
+            self._siblings.split()  # each layer moves (and takes its device's layout) on its own
         super()._apply(_keeping_format_dtypes(self, ("weight",) + tuple("weight" + c for c in COMPANIONS), fn), recurse)
         after = self.weight.device
         if after != before and before.type != "meta":
@@ -143,9 +148,17 @@ class KbitLinear(nn.Linear):
         refuse_shard(self, "state_dict")
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.is_packed:
-            destination[prefix + "weight"], destination[prefix + "weight_absmax"] = self._bit_planes()
+            planes = self._bit_planes()
+            if self._siblings is not None and _shares_storage(planes[0], self.weight):
+                planes = tuple(t.clone() for t in planes)  # a view of the fused weight: save its own bytes only
+            destination[prefix + "weight"], destination[prefix + "weight_absmax"] = planes
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self._siblings is not None:
+            if not any(prefix + "weight" + c in state_dict for c in ("",) + COMPANIONS):
+                # a load of other keys (an adapter's passes by every module) leaves the fused weight alone
+                return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+            self._siblings.split()
         if self.is_packed:
             planes = self._bit_planes()
             self.weight, self.weight_absmax = _frozen(planes[0]), _frozen(planes[1])
@@ -184,10 +197,18 @@ class KbitLinear(nn.Linear):
         codebook = self.weight_codebook.detach()
         packed, absmax, scale = ops.quantize(weight.detach().to(codebook.device, torch.float32).contiguous(), codebook,
                                              self.k, self.absmax_format)
+        if self._siblings is not None:  # rewrite this layer's rows of the fused weight: the group stays fused
+            self._siblings.replace(self, packed, absmax, scale)
+            return
         self.weight, self.weight_absmax, self.weight_scale = _frozen(packed), _frozen(absmax), _frozen(scale)
         self.use_device_layout_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        siblings = self._siblings
+        if siblings is not None and siblings.serves(x):
+            y = siblings.part(self, x)
+            ratio = siblings.ratios[self._sibling_index]
+            return y * ratio if ratio != 1.0 else y
         return ops.linear_forward(x, self.weight, self.weight_absmax, self.weight_scale, self.weight_codebook,
                                   self.k, self.local_in_features, self.bias)
 
@@ -200,8 +221,167 @@ class KbitLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         layout = f", layout={self.layout}" if self.is_packed and self.layout != "bit planes" else ""
+        fused = f", fused_with={self._siblings.names}" if self._siblings is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"k={self.k}, absmax_format={self.absmax_format}{layout}")
+                f"k={self.k}, absmax_format={self.absmax_format}{layout}{fused}")
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+# Sibling projections: layers of one parent that transformers' models apply to the same input one after the other
+# (the attention's q / k / v, the gated MLP's gate / up). Computing them as one layer reads the input once and
+# launches one kernel instead of three (or two); small layers such as a GQA model's k_proj / v_proj run far from
+# their bytes on their own.
+SIBLING_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class _Pending:
+    """The parts of one fused call not yet handed to their layers (mutable: kept apart from the group, so that the
+    compiled graph's guards on the group's constant attributes are not re-checked after every call)."""
+
+    def __init__(self):
+        self.input: torch.Tensor | None = None
+        self.outputs: list | None = None
+
+
+class KbitSiblings:
+    """Sibling KbitLinear layers held as row blocks of one packed weight and computed by one call.
+
+    The fused weight holds the members' rows one after the other, in the layout the backends want for the fused
+    shape; each member's weight and block scales are views of its rows (no second copy), which also run on their
+    own. The first member called on an input x computes every member's product and keeps the others' parts until
+    they are called with the same x (identity, as the models call them); any other input runs the member alone. Each
+    member keeps its own per-tensor scale: the fused call uses the first's and the others' parts are multiplied by
+    their ratio, a power of two (exact in bf16 and fp32; fp16 only fuses when the scales are equal). Layers with a
+    bias are not fused: the kernels add a bias before rounding the output, a part would add it after. A device move or load_state_dict into a member splits the group first; set_weight_ rewrites
+    the member's rows in place.
+    """
+
+    def __init__(self, members: list[KbitLinear], names: tuple[str, ...], fused: tuple[torch.Tensor, torch.Tensor]):
+        first = members[0]
+        self.members, self.names = members, names
+        self.packed, self.absmax = fused
+        self.k, self.in_features = first.k, first.local_in_features
+        self.bounds, row = [], 0
+        for m in members:
+            self.bounds.append((row, row + m.local_out_features))
+            row += m.local_out_features
+        self.pending = _Pending()
+        self._take_scales()
+
+    def _take_scales(self) -> None:
+        first = self.members[0]
+        self.ratios = [float(m.weight_scale) / float(first.weight_scale) for m in self.members]
+        self.same_scale = all(r == 1.0 for r in self.ratios)
+        # each member holds the fused tensors as plain attributes: the compiled graph reads them through the module
+        # tree, as it reads parameters
+        fused = (self.packed, self.absmax, first.weight_scale.detach(), first.weight_codebook.detach())
+        for m in self.members:
+            m._fused_tensors = fused
+
+    def replace(self, member: KbitLinear, packed, absmax, scale) -> None:
+        """Store a new quantized weight (bit planes) of `member` in its rows of the fused weight."""
+        packed, absmax = ops.layout_like(self.packed, packed, absmax, self.in_features, self.k)
+        with torch.no_grad():
+            member.weight.copy_(packed)
+            member.weight_absmax.copy_(absmax)
+        member.weight_scale = _frozen(scale)
+        self._take_scales()
+
+    def serves(self, x: torch.Tensor) -> bool:
+        return self.same_scale or x.dtype != torch.float16
+
+    def part(self, member: KbitLinear, x: torch.Tensor) -> torch.Tensor:
+        """Member i's rows of the fused product of x, unscaled by its ratio and without its bias."""
+        i, pending = member._sibling_index, self.pending
+        if pending.input is x and pending.outputs is not None and pending.outputs[i] is not None:
+            y = pending.outputs[i]
+            pending.outputs[i] = None
+            if all(o is None for o in pending.outputs):  # every part handed out: hold no tensors between calls
+                pending.input, pending.outputs = None, None
+            return y
+        packed, absmax, scale, codebook = member._fused_tensors
+        y = ops.linear_forward(x, packed, absmax, scale, codebook, self.k, self.in_features)
+        parts = [y[..., a:b] for a, b in self.bounds]
+        mine = parts[i]
+        parts[i] = None
+        pending.input, pending.outputs = x, parts
+        return mine
+
+    def split(self) -> None:
+        """Give every member its own tensors again (in the layout its own shape gets) and dissolve the group."""
+        for m in self.members:
+            m._siblings = None
+            del m._fused_tensors
+            planes = ops.bit_planes(m.weight, m.weight_absmax, m.local_in_features, m.k)
+            m.weight, m.weight_absmax = _frozen(planes[0].clone()), _frozen(planes[1].clone())
+            m.use_device_layout_()
+        self.members, self.pending = [], _Pending()
+
+
+def _can_fuse(members: list) -> bool:
+    first = members[0]
+    if not all(isinstance(m, KbitLinear) for m in members):
+        return False
+    return all(
+        m.is_packed and not m.is_shard and m._siblings is None and not m.weight.is_meta and m.bias is None
+        and m.k == first.k and m.absmax_format == first.absmax_format
+        and m.local_in_features == first.local_in_features and m.weight.device == first.weight.device
+        and m.weight_codebook.shape == first.weight_codebook.shape
+        and bool(torch.equal(m.weight_codebook, first.weight_codebook))
+        for m in members)
+
+
+def fuse_siblings(model: nn.Module, skip=()) -> int:
+    """Fuse every set of sibling projections (SIBLING_SETS) whose layers can share one weight: KbitLinear layers of
+    one K, absmax format, codebook, input width and device, without a bias, not tensor-parallel shards, not under
+    `skip` (module names, e.g. offloaded ones). Returns the number of groups made."""
+    groups = 0
+    for name, parent in model.named_modules():
+        if any(name == s or name.startswith(s + ".") for s in skip):
+            continue
+        for names in SIBLING_SETS:
+            members = [getattr(parent, n, None) for n in names]
+            if not _can_fuse(members):
+                continue
+            first = members[0]
+            planes = [ops.bit_planes(m.weight, m.weight_absmax, m.local_in_features, m.k) for m in members]
+            packed = torch.cat([p for p, _ in planes])
+            absmax = torch.cat([a for _, a in planes])
+            out = packed.shape[0]
+            packed, absmax = ops.device_layout(packed, absmax, out, first.local_in_features, first.k,
+                                               first.absmax_format)
+            row, views = 0, []
+            for m, (p, a) in zip(members, planes):
+                view = (packed[row:row + p.shape[0]], absmax[row:row + p.shape[0]])
+                # the fused layout must hold each member's rows as a valid weight of its own: check, bit for bit
+                back = ops.bit_planes(*view, m.local_in_features, m.k)
+                if not (torch.equal(back[0], p) and torch.equal(back[1], a)):
+                    views = None
+                    break
+                views.append(view)
+                row += p.shape[0]
+            if views is None:
+                continue
+            for i, (m, (p, a)) in enumerate(zip(members, views)):
+                m.weight, m.weight_absmax = _frozen(p), _frozen(a)
+                m._sibling_index = i
+            group = KbitSiblings(members, names, (packed, absmax))
+            for m in members:
+                m._siblings = group
+            groups += 1
+    return groups
+
+
+def split_siblings(model: nn.Module) -> int:
+    """Undo fuse_siblings: every fused group's layers hold their own tensors again. Returns the number split."""
+    groups = {id(m._siblings): m._siblings for m in model.modules()
+              if isinstance(m, KbitLinear) and m._siblings is not None}
+    for group in groups.values():
+        group.split()
+    return len(groups)
 
 
 def is_fused_experts(module: nn.Module) -> bool:

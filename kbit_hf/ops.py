@@ -354,6 +354,14 @@ def device_layout(packed, absmax, out_features: int, in_features: int, k: int, a
     return packed, absmax
 
 
+def layout_like(like, packed, absmax, in_features: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed, absmax), given as bit planes, in the layout `like` is held in."""
+    for layout in _LAYOUTS:
+        if layout.holds(like):
+            return layout.from_planes(packed, absmax, in_features, k)
+    return packed, absmax
+
+
 def layout_name(packed) -> str:
     """The name of the layout `packed` is held in ("bit planes" for the checkpoint layout)."""
     for layout in _LAYOUTS:

@@ -20,8 +20,8 @@ from transformers.utils import logging
 from . import format as fmt
 from . import tensor_parallel
 from .config import KbitConfig, matches_module
-from .modules import (COMPANIONS, KbitLinear, KbitMoE, fuse_router, is_fused_experts, local_view, refuse_shard,
-                      unfuse_router)
+from .modules import (COMPANIONS, KbitLinear, KbitMoE, fuse_router, fuse_siblings, is_fused_experts, local_view,
+                      refuse_shard, unfuse_router)
 
 logger = logging.get_logger(__name__)
 
@@ -183,6 +183,7 @@ class KbitHfQuantizer(HfQuantizer):
         for name, module in model.named_modules():
             if isinstance(module, KbitLinear) and not any(name == o or name.startswith(o + ".") for o in offloaded):
                 module.use_device_layout_()
+        fuse_siblings(model, skip=offloaded)  # q / k / v and gate / up as one layer each
         # the routers of quantized MoE blocks: one selection kernel where it computes what theirs does
         for name, module in model.named_modules():
             if any(isinstance(child, KbitMoE) for child in module.children()) and name not in offloaded:

@@ -1,0 +1,219 @@
+"""Sibling projections (q / k / v, gate / up) held as one fused weight and computed by one call
+(kbit_hf/modules.py, KbitSiblings): the same outputs as the layers run one by one, no second copy of the weights,
+checkpoints unchanged, and the group split whenever a member's tensors are replaced."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from kbit_hf import KbitConfig, KbitLinear
+from kbit_hf.modules import fuse_siblings, split_siblings
+from tiny_models import tiny_model
+
+
+def _groups(model):
+    return list({id(m._siblings): m._siblings for m in model.modules()
+                 if isinstance(m, KbitLinear) and m._siblings is not None}.values())
+
+
+def _folder(tmp_path_factory, family, scale_k=1.0):
+    model = tiny_model(family)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(scale_k)  # a per-tensor scale unlike q_proj's
+    path = tmp_path_factory.mktemp(f"{family}_{scale_k}")
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    return _folder(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="module")
+def scaled_folder(tmp_path_factory):
+    return _folder(tmp_path_factory, "llama", scale_k=64.0)
+
+
+def _load(folder, dtype=torch.bfloat16):
+    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=KbitConfig(k=4), dtype=dtype,
+                                                device_map="cpu").eval()
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_siblings_compute_what_the_layers_compute_alone(tmp_path_factory, family, dtype):
+    model = _load(_folder(tmp_path_factory, family), dtype)
+    layers = len(model.model.layers)
+    expected = layers * (2 if family == "llama" else 1)  # the MoE family's MLPs are experts, not gate / up
+    assert len(_groups(model)) == expected
+    ids = torch.randint(0, 300, (2, 11))
+    fused = _logits(model, ids)
+    assert all(g.pending.input is None and g.pending.outputs is None for g in _groups(model))  # no tensors held
+    assert split_siblings(model) == expected and not _groups(model)
+    torch.testing.assert_close(fused, _logits(model, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_layers_with_a_bias_are_not_fused(tmp_path_factory):
+    model = _load(_folder(tmp_path_factory, "gpt_oss"))  # q / k / v with biases; its MLPs are experts
+    assert model.model.layers[0].self_attn.q_proj.bias is not None and not _groups(model)
+
+
+def test_members_are_views_of_one_fused_weight(llama_folder):
+    model = _load(llama_folder)
+    attn = model.model.layers[0].self_attn
+    group = attn.q_proj._siblings
+    assert group is attn.k_proj._siblings is attn.v_proj._siblings
+    base = group.packed.untyped_storage().data_ptr()
+    rows = 0
+    for m in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert m.weight.untyped_storage().data_ptr() == base
+        assert m.weight.data_ptr() == group.packed[rows].data_ptr()
+        rows += m.out_features
+    assert rows == group.packed.shape[0]
+    assert "fused_with=('q_proj', 'k_proj', 'v_proj')" in repr(attn.k_proj)
+    before = sum(p.numel() * p.element_size() for p in model.parameters())
+    split_siblings(model)
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == before  # no second copy while fused
+
+
+def test_unequal_tensor_scales_are_exact_in_bf16_and_left_unfused_in_fp16(scaled_folder):
+    model = _load(scaled_folder)
+    group = model.model.layers[0].self_attn.q_proj._siblings
+    assert group.ratios[1] != 1.0 and not group.same_scale
+    ids = torch.randint(0, 300, (2, 9))
+    fused = _logits(model, ids)
+    x = torch.randn(3, 64, dtype=torch.float16)
+    assert not group.serves(x)  # fp16 would round the k part at the wrong magnitude
+    assert group.serves(x.bfloat16()) and group.serves(x.float())
+    split_siblings(model)
+    torch.testing.assert_close(fused, _logits(model, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_a_member_called_on_another_input_runs_alone(llama_folder):
+    model = _load(llama_folder, torch.float32)
+    attn = model.model.layers[0].self_attn
+    x, other = torch.randn(4, 64), torch.randn(4, 64)
+    with torch.no_grad():
+        q = attn.q_proj(x)  # computes q, k, v of x and keeps k, v
+        k_other = attn.k_proj(other)
+        k_x, v_x = attn.k_proj(x), attn.v_proj(x)
+        q_again = attn.q_proj(x)  # q was handed out already: computed again
+        split_siblings(model)
+        for got, layer, inp in ((q, attn.q_proj, x), (k_other, attn.k_proj, other), (k_x, attn.k_proj, x),
+                                (v_x, attn.v_proj, x), (q_again, attn.q_proj, x)):
+            torch.testing.assert_close(got, layer(inp), rtol=1e-6, atol=1e-6)
+
+
+def test_checkpoints_are_unchanged_and_reload_fused(llama_folder, tmp_path):
+    model = _load(llama_folder)
+    model.save_pretrained(tmp_path / "fused")
+    split_siblings(model)
+    model.save_pretrained(tmp_path / "alone")
+    a, b = load_file(tmp_path / "fused" / "model.safetensors"), load_file(tmp_path / "alone" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert any(n.endswith("k_proj.weight") for n in a)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "fused", device_map="cpu").eval()
+    assert len(_groups(again)) == 2 * len(again.model.layers)
+    ids = torch.randint(0, 300, (1, 7))
+    torch.testing.assert_close(_logits(again, ids), _logits(model, ids))
+
+
+def test_set_weight_rewrites_a_members_rows_and_keeps_the_group(llama_folder):
+    model = _load(llama_folder, torch.float32)
+    attn = model.model.layers[0].self_attn
+    group = attn.q_proj._siblings
+    w = attn.k_proj.dequantized_weight(torch.float32) * 8  # a new per-tensor scale for k_proj
+    q = attn.q_proj.dequantized_weight(torch.float32).flip(0)  # and new rows for the first member
+    attn.k_proj.set_weight_(w)
+    attn.q_proj.set_weight_(q)
+    assert attn.k_proj._siblings is group and group.ratios[1] == 8.0
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == group.packed.untyped_storage().data_ptr()
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        fused = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+        split_siblings(model)
+        torch.testing.assert_close(attn.k_proj.dequantized_weight(torch.float32), w)
+        for got, layer in zip(fused, (attn.q_proj, attn.k_proj, attn.v_proj)):
+            torch.testing.assert_close(got, layer(x), rtol=1e-6, atol=1e-6)
+
+
+def test_load_state_dict_into_a_member_splits_the_group(llama_folder):
+    model = _load(llama_folder, torch.float32)
+    ids = torch.randint(0, 300, (1, 5))
+    reference = _logits(model, ids)
+    mlp = model.model.layers[1].mlp
+    mlp.up_proj.load_state_dict(mlp.up_proj.state_dict())
+    assert mlp.gate_proj._siblings is None and mlp.up_proj._siblings is None
+    assert model.model.layers[0].mlp.gate_proj._siblings is not None  # other groups stay
+    for m in (mlp.gate_proj, mlp.up_proj):  # each holds its own storage again
+        assert m.weight.untyped_storage().nbytes() == m.weight.numel() * m.weight.element_size()
+    torch.testing.assert_close(_logits(model, ids), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_model_compiles_to_one_call_per_group_without_graph_breaks(llama_folder):
+    model = _load(llama_folder, torch.float32)
+    ids = torch.randint(0, 300, (1, 6))
+    eager = _logits(model, ids)
+    calls = []
+
+    def counting(gm, example_inputs):
+        calls.append(sum(node.target is torch.ops.kbit.linear for node in gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True, backend=counting)(ids).logits
+    torch.testing.assert_close(compiled, eager)
+    # per layer: q / k / v, o_proj, gate / up, down_proj (7 layers, 4 calls)
+    assert calls == [4 * len(model.model.layers)]
+    assert all(g.pending.input is None and g.pending.outputs is None for g in _groups(model))
+
+
+def test_lora_adapters_on_fused_members_keep_the_group(llama_folder):
+    from peft import LoraConfig, get_peft_model
+
+    model = _load(llama_folder, torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "up_proj"],
+                                                  init_lora_weights=False))
+    assert len(_groups(model)) == 2 * len(model.model.layers)
+    ids = torch.randint(0, 300, (2, 6))
+    with torch.no_grad():
+        fused = peft_model(ids).logits
+        split_siblings(model)
+        torch.testing.assert_close(fused, peft_model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_fused_siblings_on_the_gpu_match_the_layers_alone_at_every_kernel(tmp_path):
+    """Llama-3-8B's layer widths (q / k / v 4096 + 1024 + 1024 rows, gate / up 2 x 14336): the fused weights take
+    the tiled layout on sm_90, and every path (GEMV at 1..64 tokens, GEMM above, dequantize + cuBLAS for prefill)
+    gives what the three layers give alone."""
+    model = tiny_model("llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                       num_key_value_heads=8, num_hidden_layers=1)
+    model.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=KbitConfig(k=4), device_map="cuda",
+                                                 dtype=torch.bfloat16).eval()
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    members = (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj)
+    assert attn.q_proj._siblings.packed.shape[0] == 6144 and mlp.gate_proj._siblings.packed.shape[0] == 28672
+    fused_layouts = {m._siblings.packed.dtype for m in members}
+    for m in (8, 1, 5, 16, 33, 64, 65, 128, 1100):
+        x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            got = [p(x) for p in members]
+            split_siblings(model)
+            want = [p(x) for p in members]
+            fuse_siblings(model)
+        for g, w in zip(got, want):
+            assert torch.isfinite(g).all()
+            assert ((g.float() - w.float()).abs().max() / w.float().abs().max()).item() < 1e-2, m
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert fused_layouts == {torch.uint8}  # tiled
