@@ -262,7 +262,7 @@ class KbitSiblings:
     def __init__(self, members: list[KbitLinear], names: tuple[str, ...], fused: tuple[torch.Tensor, torch.Tensor]):
         first = members[0]
         self.members, self.names = members, names
-        self.packed, self.absmax = fused
+        self.packed, self.absmax = _frozen(fused[0]), _frozen(fused[1])
         self.k, self.in_features = first.k, first.local_in_features
         self.bounds, row = [], 0
         for m in members:
@@ -275,9 +275,10 @@ class KbitSiblings:
         first = self.members[0]
         self.ratios = [float(m.weight_scale) / float(first.weight_scale) for m in self.members]
         self.same_scale = all(r == 1.0 for r in self.ratios)
-        # each member holds the fused tensors as plain attributes: the compiled graph reads them through the module
-        # tree, as it reads parameters
-        fused = (self.packed, self.absmax, first.weight_scale.detach(), first.weight_codebook.detach())
+        # each member holds the fused tensors (parameters, unregistered: state_dict and parameters() keep listing
+        # the members' own) where the compiled graph reads them through the module tree; as parameters they stay out
+        # of TorchDynamo's per-call check that no two graph inputs alias
+        fused = (self.packed, self.absmax, first.weight_scale, first.weight_codebook)
         for m in self.members:
             m._fused_tensors = fused
 
