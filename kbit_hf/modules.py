@@ -139,6 +139,8 @@ class KbitLinear(nn.Linear):
         if self._siblings is not None and fn(torch.empty(0, device=before)).device != before:
             self._siblings.split()  # each layer moves (and takes its device's layout) on its own
         super()._apply(_keeping_format_dtypes(self, ("weight",) + tuple("weight" + c for c in COMPANIONS), fn), recurse)
+        if self._siblings is not None and not _shares_storage(self.weight, self._siblings.packed):
+            self._siblings.split()  # new storage on the same device (to_empty): the fused weight no longer holds it
         after = self.weight.device
         if after != before and before.type != "meta":
             self.use_device_layout_()
@@ -205,7 +207,7 @@ class KbitLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         siblings = self._siblings
-        if siblings is not None and siblings.serves(x):
+        if siblings is not None and siblings.serves(self, x):
             y = siblings.part(self, x)
             ratio = siblings.ratios[self._sibling_index]
             return y * ratio if ratio != 1.0 else y
@@ -238,8 +240,8 @@ SIBLING_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class _Pending:
-    """The parts of one fused call not yet handed to their layers (mutable: kept apart from the group, so that the
-    compiled graph's guards on the group's constant attributes are not re-checked after every call)."""
+    """The parts of one fused call not yet handed to their layers: the one mutable state of a group, kept apart from
+    the group, whose attributes stay constant after load."""
 
     def __init__(self):
         self.input: torch.Tensor | None = None
@@ -255,14 +257,18 @@ class KbitSiblings:
     they are called with the same x (identity, as the models call them); any other input runs the member alone. Each
     member keeps its own per-tensor scale: the fused call uses the first's and the others' parts are multiplied by
     their ratio, a power of two (exact in bf16 and fp32; fp16 only fuses when the scales are equal). Layers with a
-    bias are not fused: the kernels add a bias before rounding the output, a part would add it after. A device move or load_state_dict into a member splits the group first; set_weight_ rewrites
-    the member's rows in place.
+    bias are not fused: the kernels add a bias before rounding the output, a part would add it after. A device move,
+    to_empty or load_state_dict into a member splits the group; set_weight_ rewrites the member's rows in place; a
+    deep copy's members run alone; so does, in eager mode, a member whose weight was swapped for another tensor.
     """
 
     def __init__(self, members: list[KbitLinear], names: tuple[str, ...], fused: tuple[torch.Tensor, torch.Tensor]):
         first = members[0]
         self.members, self.names = members, names
+        # parameters (unregistered: state_dict and parameters() list the members' own), which TorchDynamo leaves out of
+        # its per-call check that no two graph inputs alias
         self.packed, self.absmax = _frozen(fused[0]), _frozen(fused[1])
+        self.weights = tuple(m.weight for m in members)  # the views, as the members held them when fused
         self.k, self.in_features = first.k, first.local_in_features
         self.bounds, row = [], 0
         for m in members:
@@ -275,12 +281,10 @@ class KbitSiblings:
         first = self.members[0]
         self.ratios = [float(m.weight_scale) / float(first.weight_scale) for m in self.members]
         self.same_scale = all(r == 1.0 for r in self.ratios)
-        # each member holds the fused tensors (parameters, unregistered: state_dict and parameters() keep listing
-        # the members' own) where the compiled graph reads them through the module tree; as parameters they stay out
-        # of TorchDynamo's per-call check that no two graph inputs alias
-        fused = (self.packed, self.absmax, first.weight_scale, first.weight_codebook)
-        for m in self.members:
-            m._fused_tensors = fused
+        self.scale, self.codebook = first.weight_scale, first.weight_codebook
+
+    def __deepcopy__(self, memo):
+        return None  # a copy's members hold copies of their rows, no longer views of one weight: they run alone
 
     def replace(self, member: KbitLinear, packed, absmax, scale) -> None:
         """Store a new quantized weight (bit planes) of `member` in its rows of the fused weight."""
@@ -291,8 +295,13 @@ class KbitSiblings:
         member.weight_scale = _frozen(scale)
         self._take_scales()
 
-    def serves(self, x: torch.Tensor) -> bool:
-        return self.same_scale or x.dtype != torch.float16
+    def serves(self, member: KbitLinear, x: torch.Tensor) -> bool:
+        """The fused call computes member's product of x: not for fp16 with unequal scales, not while exporting (an
+        exported program keeps each layer's own parameters), and in eager mode not for a member whose weight was
+        swapped for another tensor (torch.func.functional_call, accelerate's offload hooks, DataParallel replicas)."""
+        if not (self.same_scale or x.dtype != torch.float16) or torch.compiler.is_exporting():
+            return False
+        return torch.compiler.is_compiling() or member.weight is self.weights[member._sibling_index]
 
     def part(self, member: KbitLinear, x: torch.Tensor) -> torch.Tensor:
         """Member i's rows of the fused product of x, unscaled by its ratio and without its bias."""
@@ -303,8 +312,7 @@ class KbitSiblings:
             if all(o is None for o in pending.outputs):  # every part handed out: hold no tensors between calls
                 pending.input, pending.outputs = None, None
             return y
-        packed, absmax, scale, codebook = member._fused_tensors
-        y = ops.linear_forward(x, packed, absmax, scale, codebook, self.k, self.in_features)
+        y = ops.linear_forward(x, self.packed, self.absmax, self.scale, self.codebook, self.k, self.in_features)
         parts = [y[..., a:b] for a, b in self.bounds]
         mine = parts[i]
         parts[i] = None
@@ -315,11 +323,10 @@ class KbitSiblings:
         """Give every member its own tensors again (in the layout its own shape gets) and dissolve the group."""
         for m in self.members:
             m._siblings = None
-            del m._fused_tensors
             planes = ops.bit_planes(m.weight, m.weight_absmax, m.local_in_features, m.k)
             m.weight, m.weight_absmax = _frozen(planes[0].clone()), _frozen(planes[1].clone())
             m.use_device_layout_()
-        self.members, self.pending = [], _Pending()
+        self.members, self.weights, self.pending = [], (), _Pending()
 
 
 def _can_fuse(members: list) -> bool:

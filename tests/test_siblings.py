@@ -90,9 +90,9 @@ def test_unequal_tensor_scales_are_exact_in_bf16_and_left_unfused_in_fp16(scaled
     assert group.ratios[1] != 1.0 and not group.same_scale
     ids = torch.randint(0, 300, (2, 9))
     fused = _logits(model, ids)
-    x = torch.randn(3, 64, dtype=torch.float16)
-    assert not group.serves(x)  # fp16 would round the k part at the wrong magnitude
-    assert group.serves(x.bfloat16()) and group.serves(x.float())
+    x, k_proj = torch.randn(3, 64, dtype=torch.float16), model.model.layers[0].self_attn.k_proj
+    assert not group.serves(k_proj, x)  # fp16 would round the k part at the wrong magnitude
+    assert group.serves(k_proj, x.bfloat16()) and group.serves(k_proj, x.float())
     split_siblings(model)
     torch.testing.assert_close(fused, _logits(model, ids), rtol=1e-5, atol=1e-5)
 
@@ -217,3 +217,52 @@ def test_fused_siblings_on_the_gpu_match_the_layers_alone_at_every_kernel(tmp_pa
             assert ((g.float() - w.float()).abs().max() / w.float().abs().max()).item() < 1e-2, m
     if torch.cuda.get_device_capability() == (9, 0):
         assert fused_layouts == {torch.uint8}  # tiled
+
+
+def test_a_deep_copy_runs_its_layers_alone_and_holds_each_weight_once(llama_folder):
+    import copy
+
+    model = _load(llama_folder, torch.float32)
+    packed_bytes = lambda m: sum(p.numel() * p.element_size() for n, p in m.named_parameters() if n.endswith("weight")
+                                 and not p.is_floating_point())  # noqa: E731
+    clone = copy.deepcopy(model)
+    assert not _groups(clone) and _groups(model)
+    assert packed_bytes(clone) == packed_bytes(model)
+    attn = clone.model.layers[0].self_attn
+    attn.k_proj.set_weight_(attn.k_proj.dequantized_weight(torch.float32).flip(0))  # reaches the copy's forward
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(attn.k_proj(x), x @ attn.k_proj.dequantized_weight(torch.float32).T,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_swapped_parameters_are_the_ones_computed(llama_folder, tmp_path_factory):
+    model, other = _load(llama_folder, torch.float32), _load(_folder(tmp_path_factory, "llama", scale_k=3.0),
+                                                               torch.float32)
+    ids = torch.randint(0, 300, (1, 6))
+    with torch.no_grad():
+        swapped = torch.func.functional_call(model, dict(other.named_parameters()), (ids,)).logits
+        torch.testing.assert_close(swapped, _logits(other, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_to_empty_splits_the_group(llama_folder):
+    model = _load(llama_folder, torch.float32)
+    model.to_empty(device="cpu")
+    assert not _groups(model)
+
+
+def test_export_keeps_each_layers_own_parameters(llama_folder):
+    model = _load(llama_folder, torch.float32)
+    attn = model.model.layers[0].self_attn
+
+    class Projections(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = attn.q_proj, attn.k_proj, attn.v_proj
+
+        def forward(self, x):
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    program = torch.export.export(Projections(), (torch.randn(2, 64),))
+    calls = [n for n in program.graph.nodes if "kbit" in str(n.target)]
+    assert len(calls) == 3 and not program.constants
