@@ -268,7 +268,6 @@ class KbitSiblings:
         # parameters (unregistered: state_dict and parameters() list the members' own), which TorchDynamo leaves out of
         # its per-call check that no two graph inputs alias
         self.packed, self.absmax = _frozen(fused[0]), _frozen(fused[1])
-        self.weights = tuple(m.weight for m in members)  # the views, as the members held them when fused
         self.k, self.in_features = first.k, first.local_in_features
         self.bounds, row = [], 0
         for m in members:
@@ -282,6 +281,8 @@ class KbitSiblings:
         self.ratios = [float(m.weight_scale) / float(first.weight_scale) for m in self.members]
         self.same_scale = all(r == 1.0 for r in self.ratios)
         self.scale, self.codebook = first.weight_scale, first.weight_codebook
+        # each member's tensors as it held them when fused (its views, its scale)
+        self.held = tuple((m.weight, m.weight_absmax, m.weight_scale) for m in self.members)
 
     def __deepcopy__(self, memo):
         return None  # a copy's members hold copies of their rows, no longer views of one weight: they run alone
@@ -298,10 +299,14 @@ class KbitSiblings:
     def serves(self, member: KbitLinear, x: torch.Tensor) -> bool:
         """The fused call computes member's product of x: not for fp16 with unequal scales, not while exporting (an
         exported program keeps each layer's own parameters), and in eager mode not for a member whose weight was
-        swapped for another tensor (torch.func.functional_call, accelerate's offload hooks, DataParallel replicas)."""
+        swapped for another tensor (its weight, block scales or scale: torch.func.functional_call, accelerate's offload
+        hooks, DataParallel replicas)."""
         if not (self.same_scale or x.dtype != torch.float16) or torch.compiler.is_exporting():
             return False
-        return torch.compiler.is_compiling() or member.weight is self.weights[member._sibling_index]
+        if torch.compiler.is_compiling():
+            return True
+        weight, absmax, scale = self.held[member._sibling_index]
+        return member.weight is weight and member.weight_absmax is absmax and member.weight_scale is scale
 
     def part(self, member: KbitLinear, x: torch.Tensor) -> torch.Tensor:
         """Member i's rows of the fused product of x, unscaled by its ratio and without its bias."""
@@ -326,7 +331,7 @@ class KbitSiblings:
             planes = ops.bit_planes(m.weight, m.weight_absmax, m.local_in_features, m.k)
             m.weight, m.weight_absmax = _frozen(planes[0].clone()), _frozen(planes[1].clone())
             m.use_device_layout_()
-        self.members, self.weights, self.pending = [], (), _Pending()
+        self.members, self.held, self.pending = [], (), _Pending()
 
 
 def _can_fuse(members: list) -> bool:

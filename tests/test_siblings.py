@@ -243,6 +243,12 @@ def test_swapped_parameters_are_the_ones_computed(llama_folder, tmp_path_factory
     with torch.no_grad():
         swapped = torch.func.functional_call(model, dict(other.named_parameters()), (ids,)).logits
         torch.testing.assert_close(swapped, _logits(other, ids), rtol=1e-5, atol=1e-5)
+        name = "model.layers.0.self_attn.k_proj.weight_scale"  # only a scale swapped
+        scale = dict(model.named_parameters())[name]
+        swapped = torch.func.functional_call(model, {name: scale * 2}, (ids,)).logits
+        split_siblings(model)
+        torch.testing.assert_close(swapped, torch.func.functional_call(model, {name: scale * 2}, (ids,)).logits,
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_to_empty_splits_the_group(llama_folder):
