@@ -239,6 +239,13 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 SIBLING_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
+def _exporting() -> bool:
+    """torch.export is tracing. (Before torch 2.13, TorchDynamo read torch.compiler.is_exporting() as True inside every
+    torch.compile, which would keep compiled groups unfused: read the flag it returns where torch has it.)"""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
+
+
 class _Pending:
     """The parts of one fused call not yet handed to their layers: the one mutable state of a group, kept apart from
     the group, whose attributes stay constant after load."""
@@ -301,7 +308,7 @@ class KbitSiblings:
         exported program keeps each layer's own parameters), and in eager mode not for a member whose weight was
         swapped for another tensor (its weight, block scales or scale: torch.func.functional_call, accelerate's offload
         hooks, DataParallel replicas)."""
-        if not (self.same_scale or x.dtype != torch.float16) or torch.compiler.is_exporting():
+        if not (self.same_scale or x.dtype != torch.float16) or _exporting():
             return False
         if torch.compiler.is_compiling():
             return True
