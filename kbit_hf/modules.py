@@ -246,46 +246,41 @@ def _exporting() -> bool:
     return torch.compiler.is_exporting() if flag is None else bool(flag)
 
 
-class _Pending:
-    """The parts of one fused call not yet handed to their layers: the one mutable state of a group, kept apart from
-    the group, whose attributes stay constant after load."""
-
-    def __init__(self):
-        self.input: torch.Tensor | None = None
-        self.outputs: list | None = None
-
-
-class KbitSiblings:
+class KbitSiblings(nn.Module):
     """Sibling KbitLinear layers held as row blocks of one packed weight and computed by one call.
 
     The fused weight holds the members' rows one after the other, in the layout the backends want for the fused
     shape; each member's weight and block scales are views of its rows (no second copy), which also run on their
-    own. The first member called on an input x computes every member's product and keeps the others' parts until
-    they are called with the same x (identity, as the models call them); any other input runs the member alone. Each
-    member keeps its own per-tensor scale: the fused call uses the first's and the others' parts are multiplied by
-    their ratio, a power of two (exact in bf16 and fp32; fp16 only fuses when the scales are equal). Layers with a
-    bias are not fused: the kernels add a bias before rounding the output, a part would add it after. A device move,
-    to_empty or load_state_dict into a member splits the group; set_weight_ rewrites the member's rows in place; a
-    deep copy's members run alone; so does, in eager mode, a member whose weight was swapped for another tensor.
+    own. The first member called on an input x computes every member's product and hangs the others' parts on x
+    until they are called with that same tensor (identity, as the models call them); any other input runs the member
+    alone. Each member keeps its own per-tensor scale: the fused call uses the first's and the others' parts are
+    multiplied by their ratio, a power of two (exact in bf16 and fp32; fp16 only fuses when the scales are equal).
+    Layers with a bias are not fused: the kernels add a bias before rounding the output, a part would add it after. A
+    device move, to_empty or load_state_dict into a member splits the group; set_weight_ rewrites the member's rows in
+    place; a deep copy's members run alone; so does, in eager mode, a member whose weight was swapped for another
+    tensor.
+
+    A module that is nobody's child (the members hold it in their __dict__): state_dict, parameters() and .to() never
+    see it, and TorchDynamo checks it, as any module, by its __dict__'s version tag. Its attributes do not change
+    between calls (the pending parts live on the input), so a compiled step's guard check skips it.
     """
 
     def __init__(self, members: list[KbitLinear], names: tuple[str, ...], fused: tuple[torch.Tensor, torch.Tensor]):
+        super().__init__()
         first = members[0]
-        self.members, self.names = members, names
-        # parameters (unregistered: state_dict and parameters() list the members' own), which TorchDynamo leaves out of
-        # its per-call check that no two graph inputs alias
+        self.members, self.names = tuple(members), names
         self.packed, self.absmax = _frozen(fused[0]), _frozen(fused[1])
         self.k, self.in_features = first.k, first.local_in_features
-        self.bounds, row = [], 0
+        bounds, row = [], 0
         for m in members:
-            self.bounds.append((row, row + m.local_out_features))
+            bounds.append((row, row + m.local_out_features))
             row += m.local_out_features
-        self.pending = _Pending()
+        self.bounds = tuple(bounds)
         self._take_scales()
 
     def _take_scales(self) -> None:
         first = self.members[0]
-        self.ratios = [float(m.weight_scale) / float(first.weight_scale) for m in self.members]
+        self.ratios = tuple(float(m.weight_scale) / float(first.weight_scale) for m in self.members)
         self.same_scale = all(r == 1.0 for r in self.ratios)
         self.scale, self.codebook = first.weight_scale, first.weight_codebook
         # each member's tensors as it held them when fused (its views, its scale)
@@ -317,18 +312,20 @@ class KbitSiblings:
 
     def part(self, member: KbitLinear, x: torch.Tensor) -> torch.Tensor:
         """Member i's rows of the fused product of x, unscaled by its ratio and without its bias."""
-        i, pending = member._sibling_index, self.pending
-        if pending.input is x and pending.outputs is not None and pending.outputs[i] is not None:
-            y = pending.outputs[i]
-            pending.outputs[i] = None
-            if all(o is None for o in pending.outputs):  # every part handed out: hold no tensors between calls
-                pending.input, pending.outputs = None, None
+        i = member._sibling_index
+        held = getattr(x, "_kbit_sibling_parts", None)  # (group, parts not yet handed out) of the last fused call on x
+        if held is not None and held[0] is self and held[1][i] is not None:
+            parts = held[1]
+            y = parts[i]
+            parts[i] = None
+            if all(p is None for p in parts):  # every part handed out: x holds no outputs
+                x._kbit_sibling_parts = None
             return y
         y = ops.linear_forward(x, self.packed, self.absmax, self.scale, self.codebook, self.k, self.in_features)
         parts = [y[..., a:b] for a, b in self.bounds]
         mine = parts[i]
         parts[i] = None
-        pending.input, pending.outputs = x, parts
+        x._kbit_sibling_parts = (self, parts)
         return mine
 
     def split(self) -> None:
@@ -338,7 +335,7 @@ class KbitSiblings:
             planes = ops.bit_planes(m.weight, m.weight_absmax, m.local_in_features, m.k)
             m.weight, m.weight_absmax = _frozen(planes[0].clone()), _frozen(planes[1].clone())
             m.use_device_layout_()
-        self.members, self.held, self.pending = [], (), _Pending()
+        self.members, self.held = (), ()
 
 
 def _can_fuse(members: list) -> bool:
@@ -390,7 +387,7 @@ def fuse_siblings(model: nn.Module, skip=()) -> int:
                 m._sibling_index = i
             group = KbitSiblings(members, names, (packed, absmax))
             for m in members:
-                m._siblings = group
+                m.__dict__["_siblings"] = group  # not a child module: state_dict and .to() leave it alone
             groups += 1
     return groups
 

@@ -55,8 +55,9 @@ def test_fused_siblings_compute_what_the_layers_compute_alone(tmp_path_factory, 
     expected = layers * (2 if family == "llama" else 1)  # the MoE family's MLPs are experts, not gate / up
     assert len(_groups(model)) == expected
     ids = torch.randint(0, 300, (2, 11))
+    state = [dict(vars(g)) for g in _groups(model)]
     fused = _logits(model, ids)
-    assert all(g.pending.input is None and g.pending.outputs is None for g in _groups(model))  # no tensors held
+    assert [dict(vars(g)) for g in _groups(model)] == state  # a call changes nothing in a group
     assert split_siblings(model) == expected and not _groups(model)
     torch.testing.assert_close(fused, _logits(model, ids), rtol=1e-5, atol=1e-5)
 
@@ -174,7 +175,21 @@ def test_fused_model_compiles_to_one_call_per_group_without_graph_breaks(llama_f
     torch.testing.assert_close(compiled, eager)
     # per layer: q / k / v, o_proj, gate / up, down_proj (7 layers, 4 calls)
     assert calls == [4 * len(model.model.layers)]
-    assert all(g.pending.input is None and g.pending.outputs is None for g in _groups(model))
+
+
+def test_parts_wait_on_their_input_until_every_member_took_its_own(llama_folder):
+    attn = _load(llama_folder, torch.float32).model.layers[0].self_attn
+    x = torch.randn(3, attn.q_proj.in_features)
+    alone = [torch.nn.functional.linear(x, m.dequantized_weight()) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    with torch.no_grad():
+        q = attn.q_proj(x)
+        assert attn.k_proj(x.clone()).shape == alone[1].shape  # another tensor: k_proj runs alone
+        group, parts = x._kbit_sibling_parts
+        assert group is attn.q_proj._siblings and parts[0] is None and parts[1] is not None
+        k, v = attn.k_proj(x), attn.v_proj(x)
+    assert x._kbit_sibling_parts is None  # every part handed out: x holds no outputs
+    for y, ref in zip((q, k, v), alone):
+        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_lora_adapters_on_fused_members_keep_the_group(llama_folder):
