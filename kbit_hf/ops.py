@@ -268,15 +268,17 @@ def _device_type(x) -> str:
     return "cuda" if x.is_cuda else "cpu" if x.is_cpu else x.device.type
 
 
-def _eager(x) -> bool:
-    # The direct path bypasses the op's autograd formula and is invisible to torch.compile.
-    return not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling()
+def _eager(x, bias=None) -> bool:
+    # The direct path bypasses the op's autograd formula (x's and a trained bias's gradients) and is invisible to
+    # torch.compile.
+    needs_grad = x.requires_grad or (bias is not None and bias.requires_grad)
+    return not (needs_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling()
 
 
 def linear_forward(x, packed, absmax, scale, codebook, k: int, in_features: int, bias=None):
     """What KbitLinear.forward runs: a backend's eager path where it has one, else the `kbit::linear` op."""
     fast = _EAGER_LINEAR.get(_device_type(x))
-    if fast is not None and _eager(x):
+    if fast is not None and _eager(x, bias):
         return fast(x, packed, absmax, scale, codebook, k, in_features, bias)
     return torch.ops.kbit.linear(x, packed, absmax, scale, codebook, k, in_features, bias)
 

@@ -40,6 +40,19 @@ def test_linear_gradient_wrt_input():
     torch.testing.assert_close(bias.grad, g.sum(0))
 
 
+def test_a_trained_bias_gets_its_gradient_when_the_input_needs_none():
+    """The eager path (no autograd) runs only when neither x nor the bias asks for a gradient."""
+    _, (p, a, s) = _packed((24, 64))
+    cb = fmt.nf_codebook(4)
+    x = torch.randn(3, 64)
+    bias = torch.randn(24, requires_grad=True)
+    y = ops.linear_forward(x, p, a, s, cb, 4, 64, bias)
+    assert y.requires_grad
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    torch.testing.assert_close(bias.grad, g.sum(0))
+
+
 def test_expert_linear_rows_and_sentinels():
     E, out, inp = 3, 20, 45
     _, (p, a, s) = _packed((E, out, inp))
