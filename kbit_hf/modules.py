@@ -157,7 +157,8 @@ class KbitLinear(nn.Linear):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         if self._siblings is not None:
-            if not any(prefix + "weight" + c in state_dict for c in ("",) + COMPANIONS):
+            keys = ("weight", "bias") + tuple("weight" + c for c in COMPANIONS)
+            if not any(prefix + key in state_dict for key in keys):
                 # a load of other keys (an adapter's passes by every module) leaves the fused weight alone
                 return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
             self._siblings.split()
@@ -255,8 +256,8 @@ class KbitSiblings(nn.Module):
     until they are called with that same tensor (identity, as the models call them); any other input runs the member
     alone. Each member keeps its own per-tensor scale: the fused call uses the first's and the others' parts are
     multiplied by their ratio, a power of two (exact in bf16 and fp32; fp16 only fuses when the scales are equal).
-    Layers with a bias are not fused: the kernels add a bias before rounding the output, a part would add it after. A
-    device move, to_empty or load_state_dict into a member splits the group; set_weight_ rewrites the member's rows in
+    Biases are fused too: the fused bias holds each member's over its ratio, added by the kernel before rounding as
+    for the member alone; a bias that needs a gradient runs its member alone. A device move, to_empty or load_state_dict into a member splits the group; set_weight_ rewrites the member's rows in
     place; a deep copy's members run alone; so does, in eager mode, a member whose weight was swapped for another
     tensor.
 
@@ -283,8 +284,16 @@ class KbitSiblings(nn.Module):
         self.ratios = tuple(float(m.weight_scale) / float(first.weight_scale) for m in self.members)
         self.same_scale = all(r == 1.0 for r in self.ratios)
         self.scale, self.codebook = first.weight_scale, first.weight_codebook
-        # each member's tensors as it held them when fused (its views, its scale)
-        self.held = tuple((m.weight, m.weight_absmax, m.weight_scale) for m in self.members)
+        # each member's bias over its ratio (exact for a power of two), zeros for a member without one: the kernel
+        # adds it in fp32 before rounding, as it does for the member alone, and the part times its ratio is the
+        # member's output
+        biases = [m.bias for m in self.members]
+        like = next((b for b in biases if b is not None), None)
+        self.register_parameter("bias", None if like is None else _frozen(torch.cat([
+            b.detach() / r if b is not None else like.new_zeros(m.local_out_features)
+            for m, b, r in zip(self.members, biases, self.ratios)])))
+        # each member's tensors as it held them when fused (its views, its scale, its bias)
+        self.held = tuple((m.weight, m.weight_absmax, m.weight_scale, m.bias) for m in self.members)
 
     def __deepcopy__(self, memo):
         return None  # a copy's members hold copies of their rows, no longer views of one weight: they run alone
@@ -305,13 +314,16 @@ class KbitSiblings(nn.Module):
         hooks, DataParallel replicas)."""
         if not (self.same_scale or x.dtype != torch.float16) or _exporting():
             return False
+        if self.bias is not None and torch.is_grad_enabled() and member.bias is not None and member.bias.requires_grad:
+            return False  # a trained bias needs its gradient, which the fused bias (a copy) would not pass on
         if torch.compiler.is_compiling():
             return True
-        weight, absmax, scale = self.held[member._sibling_index]
-        return member.weight is weight and member.weight_absmax is absmax and member.weight_scale is scale
+        weight, absmax, scale, bias = self.held[member._sibling_index]
+        return (member.weight is weight and member.weight_absmax is absmax and member.weight_scale is scale
+                and member.bias is bias)
 
     def part(self, member: KbitLinear, x: torch.Tensor) -> torch.Tensor:
-        """Member i's rows of the fused product of x, unscaled by its ratio and without its bias."""
+        """Member i's rows of the fused product of x (its bias over its ratio included), not yet times its ratio."""
         i = member._sibling_index
         held = getattr(x, "_kbit_sibling_parts", None)  # (group, parts not yet handed out) of the last fused call on x
         if held is not None and held[0] is self and held[1][i] is not None:
@@ -321,7 +333,8 @@ class KbitSiblings(nn.Module):
             if all(p is None for p in parts):  # every part handed out: x holds no outputs
                 x._kbit_sibling_parts = None
             return y
-        y = ops.linear_forward(x, self.packed, self.absmax, self.scale, self.codebook, self.k, self.in_features)
+        y = ops.linear_forward(x, self.packed, self.absmax, self.scale, self.codebook, self.k, self.in_features,
+                               self.bias)
         parts = [y[..., a:b] for a, b in self.bounds]
         mine = parts[i]
         parts[i] = None
@@ -342,9 +355,10 @@ def _can_fuse(members: list) -> bool:
     first = members[0]
     if not all(isinstance(m, KbitLinear) for m in members):
         return False
+    bias = next((m.bias for m in members if m.bias is not None), None)
     return all(
-        m.is_packed and not m.is_shard and m._siblings is None and not m.weight.is_meta and m.bias is None
-        and m.k == first.k and m.absmax_format == first.absmax_format
+        m.is_packed and not m.is_shard and m._siblings is None and not m.weight.is_meta
+        and (m.bias is None or (m.bias.dtype, m.bias.device) == (bias.dtype, bias.device)) and m.k == first.k and m.absmax_format == first.absmax_format
         and m.local_in_features == first.local_in_features and m.weight.device == first.weight.device
         and m.weight_codebook.shape == first.weight_codebook.shape
         and bool(torch.equal(m.weight_codebook, first.weight_codebook))
@@ -353,8 +367,8 @@ def _can_fuse(members: list) -> bool:
 
 def fuse_siblings(model: nn.Module, skip=()) -> int:
     """Fuse every set of sibling projections (SIBLING_SETS) whose layers can share one weight: KbitLinear layers of
-    one K, absmax format, codebook, input width and device, without a bias, not tensor-parallel shards, not under
-    `skip` (module names, e.g. offloaded ones). Returns the number of groups made."""
+    one K, absmax format, codebook, input width and device, biases (if any) of one dtype, not tensor-parallel
+    shards, not under `skip` (module names, e.g. offloaded ones). Returns the number of groups made."""
     groups = 0
     for name, parent in model.named_modules():
         if any(name == s or name.startswith(s + ".") for s in skip):

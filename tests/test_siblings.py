@@ -62,9 +62,43 @@ def test_fused_siblings_compute_what_the_layers_compute_alone(tmp_path_factory, 
     torch.testing.assert_close(fused, _logits(model, ids), rtol=1e-5, atol=1e-5)
 
 
-def test_layers_with_a_bias_are_not_fused(tmp_path_factory):
-    model = _load(_folder(tmp_path_factory, "gpt_oss"))  # q / k / v with biases; its MLPs are experts
-    assert model.model.layers[0].self_attn.q_proj.bias is not None and not _groups(model)
+@pytest.mark.parametrize("family", ["qwen2", "gpt_oss"])  # q / k / v with biases (gpt-oss's MLPs are experts)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_biased_siblings_compute_what_the_layers_compute_alone(tmp_path_factory, family, dtype):
+    model = _load(_folder(tmp_path_factory, family, scale_k=64.0), dtype)  # k_proj's scale 64x q_proj's
+    attn = model.model.layers[0].self_attn
+    group = attn.q_proj._siblings
+    assert attn.q_proj.bias is not None and group is not None and group.ratios[1] == 64.0
+    assert len(_groups(model)) == len(model.model.layers) * (2 if family == "qwen2" else 1)
+    ids = torch.randint(0, 300, (2, 11))
+    fused = _logits(model, ids)
+    split_siblings(model)
+    torch.testing.assert_close(fused, _logits(model, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_a_bias_that_needs_a_gradient_runs_its_member_alone(tmp_path_factory):
+    model = _load(_folder(tmp_path_factory, "qwen2"), torch.float32)
+    attn = model.model.layers[0].self_attn
+    for m in (attn.q_proj, attn.k_proj, attn.v_proj):
+        m.bias.requires_grad_(m is attn.k_proj)
+    x = torch.randn(3, attn.q_proj.in_features)
+    assert not attn.q_proj._siblings.serves(attn.k_proj, x) and attn.q_proj._siblings.serves(attn.q_proj, x)
+    attn.k_proj(x).sum().backward()
+    torch.testing.assert_close(attn.k_proj.bias.grad, torch.full_like(attn.k_proj.bias, 3.0))
+    with torch.no_grad():
+        assert attn.q_proj._siblings.serves(attn.k_proj, x)  # no gradient asked for: fused again
+
+
+def test_loading_a_members_bias_splits_the_group(tmp_path_factory):
+    model = _load(_folder(tmp_path_factory, "qwen2"), torch.float32)
+    attn = model.model.layers[0].self_attn
+    new_bias = torch.randn_like(attn.v_proj.bias)
+    attn.v_proj.load_state_dict({"bias": new_bias}, strict=False)
+    assert attn.q_proj._siblings is None and attn.v_proj._siblings is None
+    x = torch.randn(2, attn.v_proj.in_features)
+    with torch.no_grad():
+        want = torch.nn.functional.linear(x, attn.v_proj.dequantized_weight(), new_bias)
+        torch.testing.assert_close(attn.v_proj(x), want, rtol=1e-4, atol=1e-4)
 
 
 def test_members_are_views_of_one_fused_weight(llama_folder):

@@ -1,4 +1,4 @@
-"""Tiny random models built from configs (no model hub): one dense family and the MoE families kbit supports."""
+"""Tiny random models built from configs (no model hub): two dense families and the MoE families kbit supports."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attent
 # the intermediate sizes are not) so that padded blocks are exercised end to end.
 FAMILIES = {
     "llama": ("LlamaConfig", dict(intermediate_size=100)),
+    "qwen2": ("Qwen2Config", dict(intermediate_size=100)),  # dense, with biases on q / k / v
     "mixtral": ("MixtralConfig", dict(intermediate_size=72, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=96, moe_intermediate_size=40, shared_expert_intermediate_size=48,
                                          num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1)),
@@ -29,7 +30,7 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", dict(intermediate_size=40, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
                                      sliding_window=32, layer_types=["sliding_attention", "full_attention"])),
 }
-MOE_FAMILIES = [f for f in FAMILIES if f != "llama"]
+MOE_FAMILIES = [f for f in FAMILIES if f not in ("llama", "qwen2")]
 
 
 def tiny_config(family: str, **overrides):
