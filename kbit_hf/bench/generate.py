@@ -49,6 +49,10 @@ SHAPES = {
                                   num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
                                   max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
                                   tie_word_embeddings=False)),
+    "qwen2.5-7b": ("qwen2", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                 max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                 tie_word_embeddings=False)),  # q / k / v with biases
     "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                                         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
                                         head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
