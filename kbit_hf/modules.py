@@ -312,7 +312,7 @@ class KbitSiblings(nn.Module):
         exported program keeps each layer's own parameters), and in eager mode not for a member whose weight was
         swapped for another tensor (its weight, block scales or scale: torch.func.functional_call, accelerate's offload
         hooks, DataParallel replicas)."""
-        if not (self.same_scale or x.dtype != torch.float16) or _exporting():
+        if (x.dtype == torch.float16 and not self.same_scale) or _exporting():
             return False
         if self.bias is not None and torch.is_grad_enabled() and member.bias is not None and member.bias.requires_grad:
             return False  # a trained bias needs its gradient, which the fused bias (a copy) would not pass on
@@ -360,7 +360,6 @@ def _can_fuse(members: list) -> bool:
         m.is_packed and not m.is_shard and m._siblings is None and not m.weight.is_meta
         and (m.bias is None or (m.bias.dtype, m.bias.device) == (bias.dtype, bias.device)) and m.k == first.k and m.absmax_format == first.absmax_format
         and m.local_in_features == first.local_in_features and m.weight.device == first.weight.device
-        and m.weight_codebook.shape == first.weight_codebook.shape
         and bool(torch.equal(m.weight_codebook, first.weight_codebook))
         for m in members)
 
@@ -370,9 +369,7 @@ def fuse_siblings(model: nn.Module, skip=()) -> int:
     one K, absmax format, codebook, input width and device, biases (if any) of one dtype, not tensor-parallel
     shards, not under `skip` (module names, e.g. offloaded ones). Returns the number of groups made."""
     groups = 0
-    for name, parent in model.named_modules():
-        if any(name == s or name.startswith(s + ".") for s in skip):
-            continue
+    for parent in modules_outside(model, skip):
         for names in SIBLING_SETS:
             members = [getattr(parent, n, None) for n in names]
             if not _can_fuse(members):
@@ -404,6 +401,11 @@ def fuse_siblings(model: nn.Module, skip=()) -> int:
                 m.__dict__["_siblings"] = group  # not a child module: state_dict and .to() leave it alone
             groups += 1
     return groups
+
+
+def modules_outside(model: nn.Module, names) -> list[nn.Module]:
+    """Every module of `model` that is neither one of the modules `names` nor inside one."""
+    return [m for name, m in model.named_modules() if not any(name == n or name.startswith(n + ".") for n in names)]
 
 
 def split_siblings(model: nn.Module) -> int:

@@ -340,10 +340,8 @@ def register_layout(layout: Layout) -> None:
 
 def bit_planes(packed, absmax, in_features: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed, absmax) in the checkpoint layout (bit planes), whatever layout they are held in."""
-    for layout in _LAYOUTS:
-        if layout.holds(packed):
-            return layout.to_planes(packed, absmax, in_features, k)
-    return packed, absmax
+    layout = _layout_of(packed)
+    return (packed, absmax) if layout is None else layout.to_planes(packed, absmax, in_features, k)
 
 
 def device_layout(packed, absmax, out_features: int, in_features: int, k: int, absmax_format: str):
@@ -358,15 +356,16 @@ def device_layout(packed, absmax, out_features: int, in_features: int, k: int, a
 
 def layout_like(like, packed, absmax, in_features: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed, absmax), given as bit planes, in the layout `like` is held in."""
-    for layout in _LAYOUTS:
-        if layout.holds(like):
-            return layout.from_planes(packed, absmax, in_features, k)
-    return packed, absmax
+    layout = _layout_of(like)
+    return (packed, absmax) if layout is None else layout.from_planes(packed, absmax, in_features, k)
 
 
 def layout_name(packed) -> str:
     """The name of the layout `packed` is held in ("bit planes" for the checkpoint layout)."""
-    for layout in _LAYOUTS:
-        if layout.holds(packed):
-            return layout.name
-    return "bit planes"
+    layout = _layout_of(packed)
+    return "bit planes" if layout is None else layout.name
+
+
+def _layout_of(packed):
+    """The registered layout `packed` is held in; None for the bit planes."""
+    return next((layout for layout in _LAYOUTS if layout.holds(packed)), None)

@@ -21,7 +21,7 @@ from . import format as fmt
 from . import tensor_parallel
 from .config import KbitConfig, matches_module
 from .modules import (COMPANIONS, KbitLinear, KbitMoE, fuse_router, fuse_siblings, is_fused_experts, local_view,
-                      refuse_shard, unfuse_router)
+                      modules_outside, refuse_shard, unfuse_router)
 
 logger = logging.get_logger(__name__)
 
@@ -180,10 +180,11 @@ class KbitHfQuantizer(HfQuantizer):
         # the backends' in-memory layout, not for offloaded layers: accelerate keeps their tensors elsewhere and swaps
         # them in per forward (a device_map over several GPUs hooks every layer without offloading it)
         offloaded = [name for name, module in model.named_modules() if _offloads(module)]
-        for name, module in model.named_modules():
-            if isinstance(module, KbitLinear) and not any(name == o or name.startswith(o + ".") for o in offloaded):
+        # q / k / v and gate / up as one layer each, first: a fused weight takes the layout of its own shape
+        fuse_siblings(model, skip=offloaded)
+        for module in modules_outside(model, offloaded):
+            if isinstance(module, KbitLinear) and module._siblings is None:
                 module.use_device_layout_()
-        fuse_siblings(model, skip=offloaded)  # q / k / v and gate / up as one layer each
         # the routers of quantized MoE blocks: one selection kernel where it computes what theirs does
         for name, module in model.named_modules():
             if any(isinstance(child, KbitMoE) for child in module.children()) and name not in offloaded:
