@@ -234,10 +234,11 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 # Sibling projections: layers of one parent that transformers' models apply to the same input one after the other
-# (the attention's q / k / v, the gated MLP's gate / up). Computing them as one layer reads the input once and
-# launches one kernel instead of three (or two); small layers such as a GQA model's k_proj / v_proj run far from
-# their bytes on their own.
-SIBLING_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# (the attention's q / k / v, the gated MLP's gate / up, DeepSeek's latent attention's query and compressed-KV
+# projections). Computing them as one layer reads the input once and launches one kernel instead of three (or two);
+# small layers such as a GQA model's k_proj / v_proj run far from their bytes on their own.
+SIBLING_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"),
+                ("q_proj", "kv_a_proj_with_mqa"))
 
 
 def _exporting() -> bool:

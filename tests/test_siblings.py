@@ -76,6 +76,20 @@ def test_biased_siblings_compute_what_the_layers_compute_alone(tmp_path_factory,
     torch.testing.assert_close(fused, _logits(model, ids), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("q_lora_rank", [None, 32])
+def test_deepseek_latent_attention_fuses_its_query_and_compressed_kv_projections(tmp_path, q_lora_rank):
+    tiny_model("deepseek_v3", q_lora_rank=q_lora_rank).save_pretrained(tmp_path)
+    model = _load(str(tmp_path), torch.float32)
+    attn = model.model.layers[1].self_attn
+    query = attn.q_proj if q_lora_rank is None else attn.q_a_proj
+    assert query._siblings is not None and query._siblings is attn.kv_a_proj_with_mqa._siblings
+    assert model.model.layers[1].mlp.shared_experts.gate_proj._siblings is not None
+    ids = torch.randint(0, 300, (2, 9))
+    fused = _logits(model, ids)
+    split_siblings(model)
+    torch.testing.assert_close(fused, _logits(model, ids), rtol=1e-5, atol=1e-5)
+
+
 def test_a_bias_that_needs_a_gradient_runs_its_member_alone(tmp_path_factory):
     model = _load(_folder(tmp_path_factory, "qwen2"), torch.float32)
     attn = model.model.layers[0].self_attn
