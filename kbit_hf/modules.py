@@ -141,6 +141,8 @@ class KbitLinear(nn.Linear):
         super()._apply(_keeping_format_dtypes(self, ("weight",) + tuple("weight" + c for c in COMPANIONS), fn), recurse)
         if self._siblings is not None and not _shares_storage(self.weight, self._siblings.packed):
             self._siblings.split()  # new storage on the same device (to_empty): the fused weight no longer holds it
+        if self._siblings is not None:
+            self._siblings.refresh()  # the fused bias follows a cast of this layer's bias (model.half())
         after = self.weight.device
         if after != before and before.type != "meta":
             self.use_device_layout_()
@@ -278,9 +280,10 @@ class KbitSiblings(nn.Module):
             bounds.append((row, row + m.local_out_features))
             row += m.local_out_features
         self.bounds = tuple(bounds)
-        self._take_scales()
+        self.refresh()
 
-    def _take_scales(self) -> None:
+    def refresh(self) -> None:
+        """Read the members' scales and biases (again: after a cast or a new weight of a member)."""
         first = self.members[0]
         self.ratios = tuple(float(m.weight_scale) / float(first.weight_scale) for m in self.members)
         self.same_scale = all(r == 1.0 for r in self.ratios)
@@ -306,7 +309,7 @@ class KbitSiblings(nn.Module):
             member.weight.copy_(packed)
             member.weight_absmax.copy_(absmax)
         member.weight_scale = _frozen(scale)
-        self._take_scales()
+        self.refresh()
 
     def serves(self, member: KbitLinear, x: torch.Tensor) -> bool:
         """The fused call computes member's product of x: not for fp16 with unequal scales, not while exporting (an

@@ -103,6 +103,17 @@ def test_a_bias_that_needs_a_gradient_runs_its_member_alone(tmp_path_factory):
         assert attn.q_proj._siblings.serves(attn.k_proj, x)  # no gradient asked for: fused again
 
 
+def test_a_cast_of_the_model_reaches_the_fused_bias(tmp_path_factory):
+    model = _load(_folder(tmp_path_factory, "qwen2"), torch.float32)
+    model.to(torch.bfloat16)
+    group = model.model.layers[0].self_attn.q_proj._siblings
+    assert group is not None and group.bias.dtype == torch.bfloat16
+    ids = torch.randint(0, 300, (2, 7))
+    fused = _logits(model, ids)
+    split_siblings(model)
+    torch.testing.assert_close(fused, _logits(model, ids), rtol=1e-5, atol=1e-5)
+
+
 def test_loading_a_members_bias_splits_the_group(tmp_path_factory):
     model = _load(_folder(tmp_path_factory, "qwen2"), torch.float32)
     attn = model.model.layers[0].self_attn
