@@ -208,6 +208,12 @@ class KbitLinear(nn.Linear):
         self.weight, self.weight_absmax, self.weight_scale = _frozen(packed), _frozen(absmax), _frozen(scale)
         self.use_device_layout_()
 
+    def add_to_bias_(self, delta: torch.Tensor) -> None:
+        """bias += delta (a merged adapter's bias), in place; a fused sibling group reads it again."""
+        self.bias.data += delta.to(self.bias.dtype)
+        if self._siblings is not None:
+            self._siblings.refresh()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         siblings = self._siblings
         if siblings is not None and siblings.serves(self, x):

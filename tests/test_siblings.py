@@ -103,6 +103,21 @@ def test_a_bias_that_needs_a_gradient_runs_its_member_alone(tmp_path_factory):
         assert attn.q_proj._siblings.serves(attn.k_proj, x)  # no gradient asked for: fused again
 
 
+def test_a_merged_lora_bias_reaches_the_fused_bias(tmp_path_factory):
+    from peft import LoraConfig, get_peft_model
+
+    model = _load(_folder(tmp_path_factory, "qwen2"), torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["k_proj"], lora_bias=True,
+                                                  init_lora_weights=False))
+    ids = torch.randint(0, 300, (2, 7))
+    with torch.no_grad(), pytest.warns(UserWarning, match="merging LoRA"):
+        peft_model.merge_adapter()
+    assert model.model.layers[0].self_attn.q_proj._siblings is not None
+    fused = _logits(model, ids)
+    split_siblings(model)
+    torch.testing.assert_close(fused, _logits(model, ids), rtol=1e-5, atol=1e-5)
+
+
 def test_a_cast_of_the_model_reaches_the_fused_bias(tmp_path_factory):
     model = _load(_folder(tmp_path_factory, "qwen2"), torch.float32)
     model.to(torch.bfloat16)
