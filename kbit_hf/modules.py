@@ -141,8 +141,6 @@ class KbitLinear(nn.Linear):
         super()._apply(_keeping_format_dtypes(self, ("weight",) + tuple("weight" + c for c in COMPANIONS), fn), recurse)
         if self._siblings is not None and not _shares_storage(self.weight, self._siblings.packed):
             self._siblings.split()  # new storage on the same device (to_empty): the fused weight no longer holds it
-        if self._siblings is not None:
-            self._siblings.refresh()  # the fused bias follows a cast of this layer's bias (model.half())
         after = self.weight.device
         if after != before and before.type != "meta":
             self.use_device_layout_()
@@ -208,15 +206,9 @@ class KbitLinear(nn.Linear):
         self.weight, self.weight_absmax, self.weight_scale = _frozen(packed), _frozen(absmax), _frozen(scale)
         self.use_device_layout_()
 
-    def add_to_bias_(self, delta: torch.Tensor) -> None:
-        """bias += delta (a merged adapter's bias), in place; a fused sibling group reads it again."""
-        self.bias.data += delta.to(self.bias.dtype)
-        if self._siblings is not None:
-            self._siblings.refresh()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         siblings = self._siblings
-        if siblings is not None and siblings.serves(self, x):
+        if siblings is not None and siblings.serves(x):
             y = siblings.part(self, x)
             ratio = siblings.ratios[self._sibling_index]
             return y * ratio if ratio != 1.0 else y
@@ -262,13 +254,14 @@ class KbitSiblings(nn.Module):
     The fused weight holds the members' rows one after the other, in the layout the backends want for the fused
     shape; each member's weight and block scales are views of its rows (no second copy), which also run on their
     own. The first member called on an input x computes every member's product and hangs the others' parts on x
-    until they are called with that same tensor (identity, as the models call them); any other input runs the member
-    alone. Each member keeps its own per-tensor scale: the fused call uses the first's and the others' parts are
-    multiplied by their ratio, a power of two (exact in bf16 and fp32; fp16 only fuses when the scales are equal).
-    Biases are fused too: the fused bias holds each member's over its ratio, added by the kernel before rounding as
-    for the member alone; a bias that needs a gradient runs its member alone. A device move, to_empty or load_state_dict into a member splits the group; set_weight_ rewrites the member's rows in
-    place; a deep copy's members run alone; so does, in eager mode, a member whose weight was swapped for another
-    tensor.
+    until they are called with that same, unmodified tensor (identity, as the models call them); a member that finds
+    no part of its own on its input computes the group's product of that input. Each member keeps its own per-tensor scale: the fused call uses the first's and the others'
+    parts are multiplied by their ratio, a power of two (exact in bf16 and fp32; fp16 only fuses when the scales are
+    equal). The fused call's bias is built from the members' biases at each call (each over its ratio, zeros for a
+    member without one), so in-place changes, casts and gradients reach them as they would alone. A device move,
+    to_empty or load_state_dict into a member splits the group; set_weight_ rewrites the member's rows in place; a
+    deep copy's members run alone; so does, in eager mode, the whole group once a member's weight, block scales or
+    scale was swapped for another tensor.
 
     A module that is nobody's child (the members hold it in their __dict__): state_dict, parameters() and .to() never
     see it, and TorchDynamo checks it, as any module, by its __dict__'s version tag. Its attributes do not change
@@ -286,24 +279,18 @@ class KbitSiblings(nn.Module):
             bounds.append((row, row + m.local_out_features))
             row += m.local_out_features
         self.bounds = tuple(bounds)
+        self.generation = 0  # counts rewritten weights: parts computed before one are not handed out
         self.refresh()
 
     def refresh(self) -> None:
-        """Read the members' scales and biases (again: after a cast or a new weight of a member)."""
+        """Read the members' scales (again, after a member's new weight)."""
         first = self.members[0]
         self.ratios = tuple(float(m.weight_scale) / float(first.weight_scale) for m in self.members)
         self.same_scale = all(r == 1.0 for r in self.ratios)
+        self.has_bias = any(m.bias is not None for m in self.members)
         self.scale, self.codebook = first.weight_scale, first.weight_codebook
-        # each member's bias over its ratio (exact for a power of two), zeros for a member without one: the kernel
-        # adds it in fp32 before rounding, as it does for the member alone, and the part times its ratio is the
-        # member's output
-        biases = [m.bias for m in self.members]
-        like = next((b for b in biases if b is not None), None)
-        self.register_parameter("bias", None if like is None else _frozen(torch.cat([
-            b.detach() / r if b is not None else like.new_zeros(m.local_out_features)
-            for m, b, r in zip(self.members, biases, self.ratios)])))
-        # each member's tensors as it held them when fused (its views, its scale, its bias)
-        self.held = tuple((m.weight, m.weight_absmax, m.weight_scale, m.bias) for m in self.members)
+        # each member's tensors as it held them when fused (its views, its scale)
+        self.held = tuple((m.weight, m.weight_absmax, m.weight_scale) for m in self.members)
 
     def __deepcopy__(self, memo):
         return None  # a copy's members hold copies of their rows, no longer views of one weight: they run alone
@@ -315,40 +302,50 @@ class KbitSiblings(nn.Module):
             member.weight.copy_(packed)
             member.weight_absmax.copy_(absmax)
         member.weight_scale = _frozen(scale)
+        self.generation += 1
         self.refresh()
 
-    def serves(self, member: KbitLinear, x: torch.Tensor) -> bool:
-        """The fused call computes member's product of x: not for fp16 with unequal scales, not while exporting (an
-        exported program keeps each layer's own parameters), and in eager mode not for a member whose weight was
-        swapped for another tensor (its weight, block scales or scale: torch.func.functional_call, accelerate's offload
-        hooks, DataParallel replicas)."""
+    def serves(self, x: torch.Tensor) -> bool:
+        """The fused call computes the members' products of x: not for fp16 with unequal scales, not while exporting
+        (an exported program keeps each layer's own parameters), and in eager mode not once a member's weight, block
+        scales or scale was swapped for another tensor (torch.func.functional_call, accelerate's offload hooks,
+        DataParallel replicas): then every member runs alone, so that none computes parts nobody takes."""
         if (x.dtype == torch.float16 and not self.same_scale) or _exporting():
             return False
-        if self.bias is not None and torch.is_grad_enabled() and member.bias is not None and member.bias.requires_grad:
-            return False  # a trained bias needs its gradient, which the fused bias (a copy) would not pass on
         if torch.compiler.is_compiling():
             return True
-        weight, absmax, scale, bias = self.held[member._sibling_index]
-        return (member.weight is weight and member.weight_absmax is absmax and member.weight_scale is scale
-                and member.bias is bias)
+        return all(m.weight is w and m.weight_absmax is a and m.weight_scale is s
+                   for m, (w, a, s) in zip(self.members, self.held))
+
+    def _bias(self) -> torch.Tensor | None:
+        """The fused call's bias: each member's over its ratio (exact for a power of two; the kernel adds it in fp32
+        before rounding, as for the member alone, and the part times its ratio is the member's output)."""
+        if not self.has_bias:
+            return None
+        like = next(m.bias for m in self.members if m.bias is not None)
+        return torch.cat([(m.bias if r == 1.0 else m.bias / r) if m.bias is not None
+                          else like.new_zeros(m.local_out_features) for m, r in zip(self.members, self.ratios)])
 
     def part(self, member: KbitLinear, x: torch.Tensor) -> torch.Tensor:
         """Member i's rows of the fused product of x (its bias over its ratio included), not yet times its ratio."""
         i = member._sibling_index
-        held = getattr(x, "_kbit_sibling_parts", None)  # (group, parts not yet handed out) of the last fused call on x
-        if held is not None and held[0] is self and held[1][i] is not None:
-            parts = held[1]
+        # the parts of the last fused call on x, valid while x is unmodified (its version, read in eager mode) and
+        # no member's weight was rewritten since
+        key = (self.generation, None if torch.compiler.is_compiling() else x._version)
+        held = getattr(x, "_kbit_sibling_parts", None)
+        if held is not None and held[0] is self and held[1] == key and held[2][i] is not None:
+            parts = held[2]
             y = parts[i]
             parts[i] = None
             if all(p is None for p in parts):  # every part handed out: x holds no outputs
                 x._kbit_sibling_parts = None
             return y
         y = ops.linear_forward(x, self.packed, self.absmax, self.scale, self.codebook, self.k, self.in_features,
-                               self.bias)
+                               self._bias())
         parts = [y[..., a:b] for a, b in self.bounds]
         mine = parts[i]
         parts[i] = None
-        x._kbit_sibling_parts = (self, parts)
+        x._kbit_sibling_parts = (self, key, parts)
         return mine
 
     def split(self) -> None:
@@ -368,7 +365,8 @@ def _can_fuse(members: list) -> bool:
     bias = next((m.bias for m in members if m.bias is not None), None)
     return all(
         m.is_packed and not m.is_shard and m._siblings is None and not m.weight.is_meta
-        and (m.bias is None or (m.bias.dtype, m.bias.device) == (bias.dtype, bias.device)) and m.k == first.k and m.absmax_format == first.absmax_format
+        and (m.bias is None or (m.bias.dtype, m.bias.device) == (bias.dtype, bias.device))
+        and m.k == first.k and m.absmax_format == first.absmax_format
         and m.local_in_features == first.local_in_features and m.weight.device == first.weight.device
         and bool(torch.equal(m.weight_codebook, first.weight_codebook))
         for m in members)
@@ -377,9 +375,12 @@ def _can_fuse(members: list) -> bool:
 def fuse_siblings(model: nn.Module, skip=()) -> int:
     """Fuse every set of sibling projections (SIBLING_SETS) whose layers can share one weight: KbitLinear layers of
     one K, absmax format, codebook, input width and device, biases (if any) of one dtype, not tensor-parallel
-    shards, not under `skip` (module names, e.g. offloaded ones). Returns the number of groups made."""
+    shards, not under `skip` (module names, e.g. offloaded ones), not in a cross-attention (its members read two
+    inputs). Returns the number of groups made."""
     groups = 0
-    for parent in modules_outside(model, skip):
+    for parent_name, parent in modules_outside(model, skip):
+        if _is_cross_attention(parent_name, parent):
+            continue
         for names in SIBLING_SETS:
             members = [getattr(parent, n, None) for n in names]
             if not _can_fuse(members):
@@ -413,9 +414,16 @@ def fuse_siblings(model: nn.Module, skip=()) -> int:
     return groups
 
 
-def modules_outside(model: nn.Module, names) -> list[nn.Module]:
-    """Every module of `model` that is neither one of the modules `names` nor inside one."""
-    return [m for name, m in model.named_modules() if not any(name == n or name.startswith(n + ".") for n in names)]
+def modules_outside(model: nn.Module, names) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module of `model` that is neither one of the modules `names` nor inside one."""
+    return [(name, m) for name, m in model.named_modules()
+            if not any(name == n or name.startswith(n + ".") for n in names)]
+
+
+def _is_cross_attention(name: str, module: nn.Module) -> bool:
+    # its query reads the decoder's states, its keys and values the encoder's: fused, each call would compute all
+    return name.rsplit(".", 1)[-1] in ("encoder_attn", "cross_attn", "crossattention") or \
+        "CrossAttention" in type(module).__name__
 
 
 def split_siblings(model: nn.Module) -> int:

@@ -69,7 +69,8 @@ class KbitLoraLinear(LoraLinear):
                 if base.bias is None:
                     raise RuntimeError(f"adapter {adapter!r} has lora_bias=True, but its base layer has no bias to "
                                        "merge it into")
-                base.add_to_bias_(sign * self.lora_B[adapter].bias.detach() * self.scaling[adapter])
+                delta = self.lora_B[adapter].bias * self.scaling[adapter]
+                base.bias.data += sign * delta.to(base.bias.dtype)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         """Merge the adapters into the base layer: weight = quantize(dequantize(weight) + their deltas), one

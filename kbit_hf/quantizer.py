@@ -182,7 +182,7 @@ class KbitHfQuantizer(HfQuantizer):
         offloaded = [name for name, module in model.named_modules() if _offloads(module)]
         # q / k / v and gate / up as one layer each, first: a fused weight takes the layout of its own shape
         fuse_siblings(model, skip=offloaded)
-        for module in modules_outside(model, offloaded):
+        for _, module in modules_outside(model, offloaded):
             if isinstance(module, KbitLinear) and module._siblings is None:
                 module.use_device_layout_()
         # the routers of quantized MoE blocks: one selection kernel where it computes what theirs does

@@ -90,17 +90,59 @@ def test_deepseek_latent_attention_fuses_its_query_and_compressed_kv_projections
     torch.testing.assert_close(fused, _logits(model, ids), rtol=1e-5, atol=1e-5)
 
 
-def test_a_bias_that_needs_a_gradient_runs_its_member_alone(tmp_path_factory):
-    model = _load(_folder(tmp_path_factory, "qwen2"), torch.float32)
+def _alone(layer, x):
+    return torch.nn.functional.linear(x, layer.dequantized_weight(x.dtype), layer.bias)
+
+
+def test_a_trained_bias_gets_its_gradient_through_the_fused_call(tmp_path_factory):
+    model = _load(_folder(tmp_path_factory, "qwen2", scale_k=64.0), torch.float32)
     attn = model.model.layers[0].self_attn
     for m in (attn.q_proj, attn.k_proj, attn.v_proj):
         m.bias.requires_grad_(m is attn.k_proj)
     x = torch.randn(3, attn.q_proj.in_features)
-    assert not attn.q_proj._siblings.serves(attn.k_proj, x) and attn.q_proj._siblings.serves(attn.q_proj, x)
-    attn.k_proj(x).sum().backward()
-    torch.testing.assert_close(attn.k_proj.bias.grad, torch.full_like(attn.k_proj.bias, 3.0))
+    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    assert x._kbit_sibling_parts is None  # one fused call served all three
+    g = torch.randn_like(k)
+    (k * g).sum().backward()
+    torch.testing.assert_close(attn.k_proj.bias.grad, g.sum(0))
+    for y, m in zip((q, k, v), (attn.q_proj, attn.k_proj, attn.v_proj)):
+        torch.testing.assert_close(y, _alone(m, x), rtol=1e-4, atol=1e-4)
+
+
+def test_a_bias_changed_in_place_is_the_one_added(tmp_path_factory):
+    model = _load(_folder(tmp_path_factory, "qwen2", scale_k=64.0), torch.float32)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(3, attn.q_proj.in_features)
     with torch.no_grad():
-        assert attn.q_proj._siblings.serves(attn.k_proj, x)  # no gradient asked for: fused again
+        attn.k_proj.bias.add_(1.0)
+        got = [attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)]
+        for y, m in zip(got, (attn.q_proj, attn.k_proj, attn.v_proj)):
+            torch.testing.assert_close(y, _alone(m, x), rtol=1e-4, atol=1e-4)
+
+
+def test_an_input_changed_in_place_or_a_rewritten_weight_drops_the_pending_parts(llama_folder):
+    attn = _load(llama_folder, torch.float32).model.layers[0].self_attn
+    x = torch.randn(3, attn.q_proj.in_features)
+    with torch.no_grad():
+        attn.q_proj(x)
+        x.mul_(2)  # k and v must see the new x
+        torch.testing.assert_close(attn.k_proj(x), _alone(attn.k_proj, x), rtol=1e-4, atol=1e-4)
+        attn.v_proj.set_weight_(torch.randn(attn.v_proj.out_features, attn.v_proj.in_features))
+        torch.testing.assert_close(attn.v_proj(x), _alone(attn.v_proj, x), rtol=1e-4, atol=1e-4)
+
+
+def test_cross_attention_is_not_fused(tmp_path):
+    import transformers
+
+    cfg = transformers.BartConfig(vocab_size=320, d_model=64, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=100,
+                                  decoder_ffn_dim=100, max_position_embeddings=64)
+    transformers.BartForConditionalGeneration(cfg).save_pretrained(tmp_path)
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path, quantization_config=KbitConfig(k=4),
+                                                               device_map="cpu")
+    layer = model.model.decoder.layers[0]
+    assert layer.self_attn.q_proj._siblings is not None  # q, k and v read one input
+    assert layer.encoder_attn.q_proj._siblings is None  # q reads the decoder's states, k and v the encoder's
 
 
 def test_a_merged_lora_bias_reaches_the_fused_bias(tmp_path_factory):
@@ -122,7 +164,7 @@ def test_a_cast_of_the_model_reaches_the_fused_bias(tmp_path_factory):
     model = _load(_folder(tmp_path_factory, "qwen2"), torch.float32)
     model.to(torch.bfloat16)
     group = model.model.layers[0].self_attn.q_proj._siblings
-    assert group is not None and group.bias.dtype == torch.bfloat16
+    assert group is not None and group._bias().dtype == torch.bfloat16
     ids = torch.randint(0, 300, (2, 7))
     fused = _logits(model, ids)
     split_siblings(model)
@@ -165,9 +207,9 @@ def test_unequal_tensor_scales_are_exact_in_bf16_and_left_unfused_in_fp16(scaled
     assert group.ratios[1] != 1.0 and not group.same_scale
     ids = torch.randint(0, 300, (2, 9))
     fused = _logits(model, ids)
-    x, k_proj = torch.randn(3, 64, dtype=torch.float16), model.model.layers[0].self_attn.k_proj
-    assert not group.serves(k_proj, x)  # fp16 would round the k part at the wrong magnitude
-    assert group.serves(k_proj, x.bfloat16()) and group.serves(k_proj, x.float())
+    x = torch.randn(3, 64, dtype=torch.float16)
+    assert not group.serves(x)  # fp16 would round the k part at the wrong magnitude
+    assert group.serves(x.bfloat16()) and group.serves(x.float())
     split_siblings(model)
     torch.testing.assert_close(fused, _logits(model, ids), rtol=1e-5, atol=1e-5)
 
@@ -257,8 +299,8 @@ def test_parts_wait_on_their_input_until_every_member_took_its_own(llama_folder)
     alone = [torch.nn.functional.linear(x, m.dequantized_weight()) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
     with torch.no_grad():
         q = attn.q_proj(x)
-        assert attn.k_proj(x.clone()).shape == alone[1].shape  # another tensor: k_proj runs alone
-        group, parts = x._kbit_sibling_parts
+        assert attn.k_proj(x.clone()).shape == alone[1].shape  # another tensor: k_proj computes anew
+        group, _, parts = x._kbit_sibling_parts
         assert group is attn.q_proj._siblings and parts[0] is None and parts[1] is not None
         k, v = attn.k_proj(x), attn.v_proj(x)
     assert x._kbit_sibling_parts is None  # every part handed out: x holds no outputs
