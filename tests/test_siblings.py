@@ -403,3 +403,50 @@ def test_export_keeps_each_layers_own_parameters(llama_folder):
     program = torch.export.export(Projections(), (torch.randn(2, 64),))
     calls = [n for n in program.graph.nodes if "kbit" in str(n.target)]
     assert len(calls) == 3 and not program.constants
+
+
+class _RowLayout:
+    """A stand-in backend layout for CPU tests: the bit planes viewed as int32 (row order kept, so a member's rows of a
+    fused weight are a valid weight of their own); `flip` also reverses the rows (then they are not)."""
+
+    def __init__(self, flip: bool):
+        self.flip, self.name = flip, "reversed int32 rows" if flip else "int32 rows"
+
+    def holds(self, packed):
+        return packed.dtype == torch.int32
+
+    def wants(self, out_features, in_features, k, absmax_format, device):
+        return out_features % 16 == 0
+
+    def from_planes(self, packed, absmax, in_features, k):
+        packed = packed.view(torch.int32)  # a copy, as a real layout makes
+        return (packed.flip(0), absmax.flip(0)) if self.flip else (packed.clone(), absmax.clone())
+
+    def to_planes(self, packed, absmax, in_features, k):
+        if self.flip:
+            packed, absmax = packed.flip(0), absmax.flip(0)
+        return packed.view(torch.uint32), absmax
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_fused_weights_take_their_own_layout_and_unfusable_members_theirs(llama_folder, monkeypatch, flip):
+    from kbit_hf import ops
+
+    reference = {n: m._bit_planes() for n, m in _load(llama_folder, torch.float32).named_modules()
+                 if isinstance(m, KbitLinear)}
+    layout = _RowLayout(flip)
+    monkeypatch.setattr(ops, "_LAYOUTS", [layout])
+    model = _load(llama_folder, torch.float32)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    # q / k / v (64 + 32 + 32 rows) fuse where the layout keeps rows; gate / up (2 x 100 rows, not a multiple of 16)
+    # fuse in the bit planes either way
+    assert (attn.q_proj._siblings is None) == flip and mlp.gate_proj._siblings is not None
+    for m in model.modules():
+        if isinstance(m, KbitLinear):
+            rows = m._siblings.packed.shape[0] if m._siblings is not None else m.out_features
+            assert m.layout == (layout.name if rows % 16 == 0 else "bit planes")
+            if m._siblings is not None:  # still a view of the fused weight
+                assert m.weight.untyped_storage().data_ptr() == m._siblings.packed.untyped_storage().data_ptr()
+    for name, m in model.named_modules():  # every layer holds its own weight, whatever the layout (the CPU kernels
+        if isinstance(m, KbitLinear):      # read bit planes only, so the stand-in layout is not run)
+            assert all(torch.equal(a, b) for a, b in zip(m._bit_planes(), reference[name]))
