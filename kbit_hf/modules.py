@@ -329,9 +329,10 @@ class KbitSiblings(nn.Module):
     def part(self, member: KbitLinear, x: torch.Tensor) -> torch.Tensor:
         """Member i's rows of the fused product of x (its bias over its ratio included), not yet times its ratio."""
         i = member._sibling_index
-        # the parts of the last fused call on x, valid while x is unmodified (its version, read in eager mode) and
-        # no member's weight was rewritten since
-        key = (self.generation, None if torch.compiler.is_compiling() else x._version)
+        # the parts of the last fused call on x, valid while x is unmodified (its version, read in eager mode; an
+        # inference tensor has none) and no member's weight was rewritten since
+        unversioned = torch.compiler.is_compiling() or x.is_inference()
+        key = (self.generation, None if unversioned else x._version)
         held = getattr(x, "_kbit_sibling_parts", None)
         if held is not None and held[0] is self and held[1] == key and held[2][i] is not None:
             parts = held[2]
