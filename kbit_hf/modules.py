@@ -208,7 +208,7 @@ class KbitLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         siblings = self._siblings
-        if siblings is not None and siblings.serves(x):
+        if siblings is not None and siblings.serves(self, x):
             y = siblings.part(self, x)
             ratio = siblings.ratios[self._sibling_index]
             return y * ratio if ratio != 1.0 else y
@@ -287,7 +287,6 @@ class KbitSiblings(nn.Module):
         first = self.members[0]
         self.ratios = tuple(float(m.weight_scale) / float(first.weight_scale) for m in self.members)
         self.same_scale = all(r == 1.0 for r in self.ratios)
-        self.has_bias = any(m.bias is not None for m in self.members)
         self.scale, self.codebook = first.weight_scale, first.weight_codebook
         # each member's tensors as it held them when fused (its views, its scale)
         self.held = tuple((m.weight, m.weight_absmax, m.weight_scale) for m in self.members)
@@ -305,24 +304,26 @@ class KbitSiblings(nn.Module):
         self.generation += 1
         self.refresh()
 
-    def serves(self, x: torch.Tensor) -> bool:
+    def serves(self, member: KbitLinear, x: torch.Tensor) -> bool:
         """The fused call computes the members' products of x: not for fp16 with unequal scales, not while exporting
-        (an exported program keeps each layer's own parameters), and in eager mode not once a member's weight, block
-        scales or scale was swapped for another tensor (torch.func.functional_call, accelerate's offload hooks,
-        DataParallel replicas): then every member runs alone, so that none computes parts nobody takes."""
+        (an exported program keeps each layer's own parameters), and in eager mode not for a layer that is not the
+        member itself (a DataParallel replica) nor once a member's weight, block scales or scale was swapped for
+        another tensor (torch.func.functional_call, accelerate's offload hooks): then every member runs alone, so
+        that none computes parts nobody takes."""
         if (x.dtype == torch.float16 and not self.same_scale) or _exporting():
             return False
         if torch.compiler.is_compiling():
             return True
-        return all(m.weight is w and m.weight_absmax is a and m.weight_scale is s
-                   for m, (w, a, s) in zip(self.members, self.held))
+        return member is self.members[member._sibling_index] and all(
+            m.weight is w and m.weight_absmax is a and m.weight_scale is s
+            for m, (w, a, s) in zip(self.members, self.held))
 
     def _bias(self) -> torch.Tensor | None:
         """The fused call's bias: each member's over its ratio (exact for a power of two; the kernel adds it in fp32
         before rounding, as for the member alone, and the part times its ratio is the member's output)."""
-        if not self.has_bias:
+        like = next((m.bias for m in self.members if m.bias is not None), None)
+        if like is None:
             return None
-        like = next(m.bias for m in self.members if m.bias is not None)
         return torch.cat([(m.bias if r == 1.0 else m.bias / r) if m.bias is not None
                           else like.new_zeros(m.local_out_features) for m, r in zip(self.members, self.ratios)])
 
@@ -422,9 +423,10 @@ def modules_outside(model: nn.Module, names) -> list[tuple[str, nn.Module]]:
 
 
 def _is_cross_attention(name: str, module: nn.Module) -> bool:
-    # its query reads the decoder's states, its keys and values the encoder's: fused, each call would compute all
-    return name.rsplit(".", 1)[-1] in ("encoder_attn", "cross_attn", "crossattention") or \
-        "CrossAttention" in type(module).__name__
+    # its query reads one input, its keys and values another (the encoder's, the image's): fused, each call would
+    # compute every member's rows
+    last = name.rsplit(".", 1)[-1].lower()
+    return "cross" in last or last in ("encoder_attn", "x_attn") or "cross" in type(module).__name__.lower()
 
 
 def split_siblings(model: nn.Module) -> int:

@@ -62,15 +62,20 @@ class KbitLoraLinear(LoraLinear):
                 weight = weight + sign * self.get_delta_weight(adapter).to(weight.device, torch.float32)
         return weight
 
+    def _biased(self, adapters: list[str]) -> list[str]:
+        """The adapters with a bias to merge (lora_bias=True); refused, before anything changes, where the base layer
+        has no bias to merge it into."""
+        biased = [a for a in adapters if getattr(self, "lora_bias", {}).get(a, False)]
+        if biased and self.get_base_layer().bias is None:
+            raise RuntimeError(f"adapter {biased[0]!r} has lora_bias=True, but its base layer has no bias to merge it "
+                               "into")
+        return biased
+
     def _apply_biases(self, adapters: list[str], sign: int) -> None:
         base = self.get_base_layer()
-        for adapter in adapters:
-            if getattr(self, "lora_bias", {}).get(adapter, False):
-                if base.bias is None:
-                    raise RuntimeError(f"adapter {adapter!r} has lora_bias=True, but its base layer has no bias to "
-                                       "merge it into")
-                delta = self.lora_B[adapter].bias * self.scaling[adapter]
-                base.bias.data += sign * delta.to(base.bias.dtype)
+        for adapter in self._biased(adapters):
+            delta = self.lora_B[adapter].bias * self.scaling[adapter]
+            base.bias.data += sign * delta.to(base.bias.dtype)
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         """Merge the adapters into the base layer: weight = quantize(dequantize(weight) + their deltas), one
@@ -81,6 +86,7 @@ class KbitLoraLinear(LoraLinear):
             return
         warnings.warn(f"merging LoRA into kbit layers: {_ROUNDING_NOTE}", UserWarning, stacklevel=2)
         base: KbitLinear = self.get_base_layer()
+        self._biased(adapters)  # a bias that cannot be merged refuses the merge before the weight changes
         weight = self._apply_deltas(base.dequantized_weight(torch.float32), adapters, +1)
         bad = int((~torch.isfinite(weight)).sum())
         if bad:

@@ -280,6 +280,17 @@ def test_lora_bias_merges_into_the_float_bias(tmp_path):
     assert torch.equal(merged.model.layers[1].self_attn.q_proj.bias, expected)
 
 
+def test_a_lora_bias_without_a_base_bias_refuses_the_merge_before_anything_changes(tmp_path):
+    tiny_model("llama").save_pretrained(tmp_path)  # no attention biases
+    kbit = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=KbitConfig(k=4), dtype=torch.float32)
+    model = get_peft_model(kbit, LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True, init_lora_weights=False))
+    layer = model.base_model.model.model.layers[1].self_attn.q_proj
+    before = layer.get_base_layer().weight.clone()
+    with pytest.raises(RuntimeError, match="no bias to merge it into"):
+        layer.merge()
+    assert torch.equal(layer.get_base_layer().weight, before) and not layer.merged
+
+
 @pytest.mark.parametrize("config, match", [
     (dict(use_dora=True), "DoRA"),
     (dict(init_lora_weights="pissa"), "pissa"),

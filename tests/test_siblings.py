@@ -133,6 +133,40 @@ def test_an_input_changed_in_place_or_a_rewritten_weight_drops_the_pending_parts
         torch.testing.assert_close(attn.v_proj(x), _alone(attn.v_proj, x), rtol=1e-4, atol=1e-4)
 
 
+def test_a_data_parallel_replica_computes_its_own_weights(llama_folder, tmp_path_factory):
+    attn = _load(llama_folder, torch.float32).model.layers[0].self_attn
+    other = _load(_folder(tmp_path_factory, "llama", scale_k=3.0), torch.float32).model.layers[0].self_attn
+    replica = attn.k_proj._replicate_for_data_parallel()  # shares the group through its copied __dict__
+    replica._parameters = dict(other.k_proj._parameters)  # as DataParallel fills in each device's copies
+    x = torch.randn(3, attn.k_proj.in_features)
+    with torch.no_grad():
+        torch.testing.assert_close(replica(x), _alone(other.k_proj, x), rtol=1e-4, atol=1e-4)
+
+
+def test_a_bias_added_or_removed_after_fusing_is_the_one_added(llama_folder):
+    attn = _load(llama_folder, torch.float32).model.layers[0].self_attn
+    x = torch.randn(3, attn.q_proj.in_features)
+    with torch.no_grad():
+        attn.k_proj.bias = torch.nn.Parameter(torch.randn(attn.k_proj.out_features))
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj):
+            torch.testing.assert_close(m(x), _alone(m, x), rtol=1e-4, atol=1e-4)
+        attn.k_proj.bias = None
+        for m in (attn.q_proj, attn.k_proj, attn.v_proj):
+            torch.testing.assert_close(m(x), _alone(m, x), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name, cls", [("model.decoder.layers.0.encoder_attn", "BartAttention"),
+                                       ("decoder.layers.3.cross_attention", "NllbMoeAttention"),
+                                       ("layers.0.x_attn", "KosmosTextAttention"),
+                                       ("mask_decoder.cross_attn_token_to_image", "SamAttention"),
+                                       ("layers.0.attn", "MllamaTextCrossAttention")])
+def test_cross_attention_modules_are_recognised(name, cls):
+    from kbit_hf.modules import _is_cross_attention
+
+    assert _is_cross_attention(name, type(cls, (torch.nn.Module,), {})())
+    assert not _is_cross_attention("model.layers.0.self_attn", type("LlamaAttention", (torch.nn.Module,), {})())
+
+
 def test_cross_attention_is_not_fused(tmp_path):
     import transformers
 
@@ -210,8 +244,9 @@ def test_unequal_tensor_scales_are_exact_in_bf16_and_left_unfused_in_fp16(scaled
     ids = torch.randint(0, 300, (2, 9))
     fused = _logits(model, ids)
     x = torch.randn(3, 64, dtype=torch.float16)
-    assert not group.serves(x)  # fp16 would round the k part at the wrong magnitude
-    assert group.serves(x.bfloat16()) and group.serves(x.float())
+    k_proj = model.model.layers[0].self_attn.k_proj
+    assert not group.serves(k_proj, x)  # fp16 would round the k part at the wrong magnitude
+    assert group.serves(k_proj, x.bfloat16()) and group.serves(k_proj, x.float())
     split_siblings(model)
     torch.testing.assert_close(fused, _logits(model, ids), rtol=1e-5, atol=1e-5)
 
