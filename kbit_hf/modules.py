@@ -255,9 +255,9 @@ class KbitSiblings(nn.Module):
     shape; each member's weight and block scales are views of its rows (no second copy), which also run on their
     own. The first member called on an input x computes every member's product and hangs the others' parts on x
     until they are called with that same, unmodified tensor (identity, as the models call them); a member that finds
-    no part of its own on its input computes the group's product of that input. Each member keeps its own per-tensor scale: the fused call uses the first's and the others'
-    parts are multiplied by their ratio, a power of two (exact in bf16 and fp32; fp16 only fuses when the scales are
-    equal). The fused call's bias is built from the members' biases at each call (each over its ratio, zeros for a
+    no part of its own on its input computes the group's product of that input. Each member keeps its own per-tensor
+    scale: the fused call uses the first's and the others' parts are multiplied by their ratio, a power of two (exact
+    in bf16 and fp32; fp16 only fuses when the scales are equal). The fused call's bias is built from the members' biases at each call (each over its ratio, zeros for a
     member without one), so in-place changes, casts and gradients reach them as they would alone. A device move,
     to_empty or load_state_dict into a member splits the group; set_weight_ rewrites the member's rows in place; a
     deep copy's members run alone; so does, in eager mode, the whole group once a member's weight, block scales or
@@ -390,10 +390,8 @@ def fuse_siblings(model: nn.Module, skip=()) -> int:
             first = members[0]
             planes = [ops.bit_planes(m.weight, m.weight_absmax, m.local_in_features, m.k) for m in members]
             packed = torch.cat([p for p, _ in planes])
-            absmax = torch.cat([a for _, a in planes])
-            out = packed.shape[0]
-            packed, absmax = ops.device_layout(packed, absmax, out, first.local_in_features, first.k,
-                                               first.absmax_format)
+            packed, absmax = ops.device_layout(packed, torch.cat([a for _, a in planes]), packed.shape[0],
+                                               first.local_in_features, first.k, first.absmax_format)
             row, views = 0, []
             for m, (p, a) in zip(members, planes):
                 view = (packed[row:row + p.shape[0]], absmax[row:row + p.shape[0]])

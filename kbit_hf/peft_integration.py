@@ -71,9 +71,10 @@ class KbitLoraLinear(LoraLinear):
                                "into")
         return biased
 
-    def _apply_biases(self, adapters: list[str], sign: int) -> None:
+    def _apply_biases(self, biased: list[str], sign: int) -> None:
+        """Add (sign +1) or subtract the biases of the adapters `biased` (from _biased) to the base layer's bias."""
         base = self.get_base_layer()
-        for adapter in self._biased(adapters):
+        for adapter in biased:
             delta = self.lora_B[adapter].bias * self.scaling[adapter]
             base.bias.data += sign * delta.to(base.bias.dtype)
 
@@ -86,14 +87,14 @@ class KbitLoraLinear(LoraLinear):
             return
         warnings.warn(f"merging LoRA into kbit layers: {_ROUNDING_NOTE}", UserWarning, stacklevel=2)
         base: KbitLinear = self.get_base_layer()
-        self._biased(adapters)  # a bias that cannot be merged refuses the merge before the weight changes
+        biased = self._biased(adapters)  # a bias that cannot be merged refuses the merge before the weight changes
         weight = self._apply_deltas(base.dequantized_weight(torch.float32), adapters, +1)
         bad = int((~torch.isfinite(weight)).sum())
         if bad:
             raise ValueError(f"merging adapter(s) {adapters} gives {bad} NaN/Inf weight(s) in a {base.out_features}x"
                              f"{base.in_features} kbit layer: the adapter seems to be broken; nothing was merged")
         base.set_weight_(weight)
-        self._apply_biases(adapters, +1)
+        self._apply_biases(biased, +1)
         self.merged_adapters.extend(adapters)
 
     def unmerge(self) -> None:
@@ -107,7 +108,7 @@ class KbitLoraLinear(LoraLinear):
             warnings.warn(f"unmerging LoRA from kbit layers: {_ROUNDING_NOTE}", UserWarning, stacklevel=2)
             base: KbitLinear = self.get_base_layer()
             base.set_weight_(self._apply_deltas(base.dequantized_weight(torch.float32), adapters, -1))
-            self._apply_biases(adapters, -1)
+            self._apply_biases(self._biased(adapters), -1)
         self.merged_adapters.clear()
 
 

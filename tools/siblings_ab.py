@@ -4,18 +4,17 @@ fused, split (kbit_hf.modules.split_siblings), and fused again, and prints the s
 step's largest items (torch.profiler over a 9-token generate).
 
 usage (from the repository root, CUDA):
-  PYTHONPATH=. python tools/siblings_ab.py [--model llama-3-8b] [--layers L] [--batch 1,16]
+  PYTHONPATH=. python tools/siblings_ab.py [--model SHAPE --layers L | --checkpoint FOLDER] [--batch 1,16]
 """
 
 import argparse
-import os
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM
 
 from kbit_hf import KbitConfig
-from kbit_hf.bench.generate import _generate, ensure_checkpoint, measure
+from kbit_hf.bench.generate import _generate, add_model_arguments, ensure_checkpoint, measure
 from kbit_hf.modules import fuse_siblings, split_siblings
 
 HOST_ITEMS = ("TorchDynamo Cache Lookup", "cudaGraphLaunch", "Call CompiledFxGraph", "Pregraph bytecode",
@@ -32,12 +31,10 @@ def host_items(model, batch: int) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama-3-8b")
-    p.add_argument("--layers", type=int, default=None)
+    add_model_arguments(p)
     p.add_argument("--batch", default="1,16")
-    p.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "kbit_hf", "bench"))
     args = p.parse_args()
-    folder = ensure_checkpoint(args.model, args.layers, args.workdir, "cuda")
+    folder = args.checkpoint or ensure_checkpoint(args.model, args.layers, args.workdir, "cuda")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda",
                                                  quantization_config=KbitConfig(k=4)).eval()
     device, mem0 = torch.device("cuda"), torch.cuda.memory_allocated()
