@@ -257,11 +257,12 @@ class KbitSiblings(nn.Module):
     until they are called with that same, unmodified tensor (identity, as the models call them); a member that finds
     no part of its own on its input computes the group's product of that input. Each member keeps its own per-tensor
     scale: the fused call uses the first's and the others' parts are multiplied by their ratio, a power of two (exact
-    in bf16 and fp32; fp16 only fuses when the scales are equal). The fused call's bias is built from the members' biases at each call (each over its ratio, zeros for a
-    member without one), so in-place changes, casts and gradients reach them as they would alone. A device move,
-    to_empty or load_state_dict into a member splits the group; set_weight_ rewrites the member's rows in place; a
-    deep copy's members run alone; so does, in eager mode, the whole group once a member's weight, block scales or
-    scale was swapped for another tensor.
+    in bf16 and fp32; fp16 only fuses when the scales are equal). The fused call's bias is built from the members'
+    biases at each call (each over its ratio, zeros for a member without one), so in-place changes, casts and
+    gradients reach them as they would alone. A device move, to_empty or load_state_dict into a member splits the
+    group; set_weight_ rewrites the member's rows in place; a deep copy's members run alone; so does, in eager mode,
+    a DataParallel replica, and the whole group once a member's weight, block scales or scale was swapped for another
+    tensor.
 
     A module that is nobody's child (the members hold it in their __dict__): state_dict, parameters() and .to() never
     see it, and TorchDynamo checks it, as any module, by its __dict__'s version tag. Its attributes do not change
