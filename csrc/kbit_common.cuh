@@ -313,4 +313,34 @@ __host__ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32
 #endif
 }
 
+// ---- k-split GEMMs (kbit_tiled.cu, kbit_gemm.cu) ----
+// y = (the sum of the splits' fp32 partial sums ws [splits, n], in split order) x the tensor scale (+ bias), n = M x out
+template <typename T>
+__global__ void gemm_reduce_kernel(const float* __restrict__ ws, int splits, int64_t n, int64_t out,
+                                   const float* __restrict__ scale, const T* __restrict__ bias, T* __restrict__ y) {
+  const float sc = __ldg(scale);
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+    float s = 0.f;
+    for (int p = 0; p < splits; ++p) s += ws[p * n + i];
+    float r = s * sc;
+    if (bias != nullptr) r += Cvt<T>::to_f(bias[i % out]);
+    y[i] = Cvt<T>::from_f(r);
+  }
+}
+
+// ---- cp.async (sm_80+) ----
+// 16 bytes; src_bytes < 16 (0 included) copies that many and zero-fills the rest
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, uint32_t src_bytes = 16) {
+  const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+// 4 bytes; src_bytes 0 zero-fills
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, uint32_t src_bytes = 4) {
+  const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
 }  // namespace kbit

@@ -193,4 +193,34 @@ inline int64_t gemm_workspace_bytes(int64_t tiles, int64_t M, int64_t in, int sm
   return s > 1 ? (int64_t)s * M * tiles * 16 * 4 : 0;
 }
 
+// ---- tensor-core GEMM over the bit planes (kbit_gemm.cu: gemm_planes_kernel, M > 64, sm_80+) ----
+// CTAs of 128 weight rows x bn tokens; `stages` shared-memory stages of 128 k; the k range split `splits` ways.
+struct GemmPlanesShape {
+  int bn, stages, splits;
+};
+// Where the CTAs are fewer than the SMs, the k range is split so that the grid fills them (at least 2 groups of 128
+// per split).
+inline int gemm_planes_splits(int64_t M, int64_t out, int64_t in, int sms, int bn) {
+  const int64_t ctas = ((out + 127) / 128) * ((M + bn - 1) / bn), groups = (in + 127) / 128;
+  int64_t sp = ctas >= sms ? 1 : sms / ctas;
+  if (sp > groups / 2) sp = groups / 2;
+  return sp < 1 ? 1 : (int)sp;
+}
+// The first shape that fits the device's shared memory per CTA (`bytes(bn, stages)`, at most `smem`): 128 tokens
+// before 64 (each decoded tile then feeds twice the MMAs), 4 stages before 3. bn = 0: none fits (sm_86 / sm_89).
+template <typename Bytes>
+inline GemmPlanesShape gemm_planes_choose(int64_t M, int64_t out, int64_t in, int sms, int smem, Bytes bytes) {
+  constexpr int order[][2] = {{128, 4}, {128, 3}, {64, 4}, {64, 3}};
+  GemmPlanesShape s = {0, 0, 1};
+  for (const auto& o : order)
+    if (bytes(o[0], o[1]) <= smem) {
+      s = {o[0], o[1], gemm_planes_splits(M, out, in, sms, o[0])};
+      break;
+    }
+  return s;
+}
+inline int64_t gemm_planes_workspace_bytes(const GemmPlanesShape& s, int64_t M, int64_t out) {
+  return s.splits > 1 ? (int64_t)s.splits * M * out * 4 : 0;
+}
+
 }  // namespace kbit

@@ -376,14 +376,6 @@ __device__ __forceinline__ void compute_step(const Buf& b, const T* __restrict__
 constexpr int XS_TOKEN = 528;  // 512 + 16
 __device__ __forceinline__ int xs_chunk(int c) { return c ^ ((c >> 2) & 2); }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-
 // stage the activations of tokens < M, columns 256 st .. 256 st + 255 (all inside the row, x 16-byte aligned)
 // (srow: the tokens' rows of x in grouped expert mode, else token t is row t)
 template <typename T, int NT>

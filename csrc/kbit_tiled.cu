@@ -1634,21 +1634,6 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1)
     }
   }
 }
-// y = (the sum of the splits' partial sums, in split order) x the tensor scale (+ bias)
-template <typename T>
-__global__ void gemm_reduce_kernel(const float* __restrict__ ws, int splits, int64_t n, int64_t out,
-                                   const float* __restrict__ scale, const T* __restrict__ bias, T* __restrict__ y) {
-  const float sc = __ldg(scale);
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    float s = 0.f;
-    for (int p = 0; p < splits; ++p) s += ws[p * n + i];
-    float r = s * sc;
-    if (bias != nullptr) r += Cvt<T>::to_f(bias[i % out]);
-    y[i] = Cvt<T>::from_f(r);
-  }
-}
-
-
 template <typename T, int K>
 int gemm_tiled_launch(const T* x, int64_t M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
                       const T* bias, int64_t out, int64_t in, T* y, float* ws, int64_t ws_bytes, cudaStream_t st) {

@@ -4,7 +4,7 @@
     PYTHONPATH=. compute-sanitizer --tool racecheck --error-exitcode 1 python tools/sanitize_driver.py --sync
 
 Bit planes (K = 2..5, both block-scale formats): quantize, dequantize, the fused GEMV (M <= 8, the token tiles up to
-M = 64, the folded 8-row tiles), dequantize + cuBLAS (M = 65), the per-row expert GEMV, the grouped expert path,
+M = 64, the folded 8-row tiles), dequantize + cuBLAS (M = 65), the bit-plane GEMM (M = 70, every launch shape), the per-row expert GEMV, the grouped expert path,
 (on sm_90) the grouped expert GEMM, the fused experts block (both gatings, with and without biases) and the router
 selection kernel.
 Tiled layout (K = 2..5, e4m4): tile, untile, dequantize, and on sm_90 the tiled GEMV and GEMM, the library's choice
@@ -68,6 +68,16 @@ def bit_planes(calls: Counter, ks) -> None:
                     bias = torch.randn(shape[0], device="cuda", dtype=xdt) if af == "e4m4" else None
                     kernels.linear(x, p, a, s, cb, k, shape[-1], bias)
                     calls["gemv" if M <= dispatch.GEMV_MAX_M else "dequantize + cuBLAS"] += 1
+                if shape[-1] % 8 == 0 and dispatch.planes_gemm_runs_on(torch.cuda.current_device(), k):
+                    # the bit-plane GEMM: the library's launch shape and every forced one that fits the device
+                    x = torch.randn(70, shape[-1], device="cuda", dtype=torch.bfloat16)
+                    y = torch.empty(70, shape[0], device="cuda", dtype=torch.bfloat16)
+                    for launch in kernels.PLANES_GEMM_SHAPES:
+                        try:
+                            kernels.gemm_planes_out(x, p, a, s, cb, k, shape[-1], None, y, launch)
+                            calls["gemm planes"] += 1
+                        except RuntimeError as exc:
+                            assert "not supported" in str(exc).lower(), exc
                 continue
             for xdt, kernel in itertools.product(X_DTYPES, ("per_row", "grouped")):
                 x = torch.randn(5, shape[-1], device="cuda", dtype=xdt)

@@ -170,7 +170,7 @@ def run(args) -> int:
     hdr = (f"{'shape':>12} {'M':>4} {'kernel':>14} {'us':>8} {'% copy':>7} {'vs bf16':>8} {'vs tinygemm':>11}"
            f" {'of floor':>8}")
     print(f"\ny[M, out] = x[M, in] @ W^T (bf16 activations): the fused GEMV to M = {dispatch.GEMV_MAX_M}, the tiled "
-          "GEMM above; % copy = bytes moved / time / copy bandwidth; floor = max(weight bytes / copy bandwidth, "
+          "or bit-plane GEMM above; % copy = bytes moved / time / copy bandwidth; floor = max(weight bytes / copy bandwidth, "
           f"2 M out in / bf16 rate {tc_rate / 1e12:.0f} TFLOP/s)")
     if not have_bnb:
         print("(bitsandbytes not importable: NF4 column skipped)")
@@ -240,9 +240,12 @@ def run(args) -> int:
                     held_tiled = True
                 else:
                     held_tiled = False
-                if not gemm:
-                    us = _time_graph([lambda c=c: cuda.linear_out(x, c[0], c[1], s0, cb, k, in_f, None, y)
-                                      for c in copies], repeats)
+                # the bit planes (what GPUs other than sm_90 hold): the fused GEMV, or above it the bit-plane GEMM
+                planes = (cuda.linear_out if not gemm else cuda.gemm_planes_out
+                          if in_f % 8 == 0 and dispatch.planes_gemm_runs_on(torch.cuda.current_device(), k) else None)
+                if planes is not None:
+                    us = _time_graph([lambda c=c: planes(x, c[0], c[1], s0, cb, k, in_f, None, y) for c in copies],
+                                     repeats)
                     rows.append((f"K={k} planes" if held_tiled else f"kbit K={k}", us, kbytes + io_bytes,
                                  floor(kbytes)))
                 if k == 4 and M > 8:  # the fallback path: dequantize + cuBLAS

@@ -4,7 +4,7 @@ batch size, shape and GPU is the library's choice: csrc/kbit_dispatch.h. docs/de
 | rule | why |
 |---|---|
 | `linear`: fused GEMV for 1 <= M <= GEMV_MAX_M rows of fp16/bf16 | the GEMV reads the packed weight once and is bound by those bytes |
-| `linear`, tiled weight, compute capability 9.0, GEMV_MAX_M < M <= GEMM_MAX_M rows of fp16/bf16 (GEMM_MAX_M_SMALL on small layers): the tensor-core GEMM | decodes each weight tile once per 128-256 tokens in registers; no bf16 copy of the weight in memory; above those rows the two are within about 10% on the large layers and dequantize + cuBLAS wins on 4096x4096 (numbers below) |
+| `linear`, tiled weight, compute capability 9.0, GEMV_MAX_M < M <= GEMM_MAX_M rows of fp16/bf16 (GEMM_MAX_M_MID, GEMM_MAX_M_SMALL on smaller layers): the tiled tensor-core GEMM | decodes each weight tile once per 128-256 tokens in registers; no bf16 copy of the weight in memory; above those rows dequantize + cuBLAS is faster (numbers below) |
 | `linear`, anything else: dequantize + cuBLAS | the fallback (bit-plane weights, other GPUs, fp32 activations) |
 | `expert_linear`, fp16 / bf16, at least EXPERT_GEMM_MIN_ROWS rows per expert on average, in_features % 64 == 0, compute capability 9.0: the library's grouped expert GEMM (tensor cores, decoded in registers) | reads each expert tile once per 64-256 of its rows and feeds the tensor cores; faster than the GEMV from about 12 rows per expert and than dequantize + grouped_mm everywhere (numbers below) |
 | `expert_linear`, bf16, at least EXPERT_GROUPED_MM_MIN_ROWS rows per expert on average, compute capability >= 9.0 (where the GEMM does not run): every expert dequantized to bf16, then `torch._grouped_mm` | with that many rows per expert the tensor-core grouped GEMM outruns the GEMV-class kernel by more than the dequantization costs (numbers below) |
@@ -73,21 +73,48 @@ def linear_uses_gemv(M: int, dtype: torch.dtype) -> bool:
     return 0 < M <= GEMV_MAX_M and dtype in GEMV_DTYPES
 
 
-# The tiled GEMM runs up to GEMM_MAX_M rows (GEMM_MAX_M_SMALL on layers of at most GEMM_SMALL_NUMEL weights); above,
-# dequantize + cuBLAS is within about 10% either way on the large layers (the GEMM ahead on the largest up to 2048
-# rows, behind at 4096) and faster on 4096x4096. Measured on an H100, K = 4, time ratio bf16 / kbit
-# (GEMM | dq + cuBLAS):
-#   4096x4096    M=256 0.63 | 0.58   M=512 0.58 | 0.66   M=1024 0.69 | 0.76
-#   14336x4096   M=512 0.81 | 0.63   M=1024 0.74 | 0.77  M=2048 0.83 | 0.81   M=4096 0.78 | 0.84
-#   4096x14336   M=512 0.70 | 0.61   M=1024 0.75 | 0.75  M=2048 0.78 | 0.86
-#   28672x8192   M=1024 0.89 | 0.73  M=2048 0.93 | 0.81  M=4096 0.90 | 0.97
-GEMM_MAX_M, GEMM_MAX_M_SMALL, GEMM_SMALL_NUMEL = 1024, 256, 4096 * 4096
+# The tiled GEMM runs up to GEMM_MAX_M rows on the largest layers (at least GEMM_LARGE_NUMEL weights), up to
+# GEMM_MAX_M_MID on layers of more than GEMM_SMALL_NUMEL, and up to GEMM_MAX_M_SMALL on those; above, dequantize + cuBLAS
+# is faster. Time ratio bf16 / kbit, K = 4 (GEMM | dequantize + cuBLAS):
+#   H100:  4096x4096    M=256 0.63 | 0.58   M=512 0.58 | 0.66   M=1024 0.69 | 0.76
+#          14336x4096   M=512 0.81 | 0.63   M=1024 0.74 | 0.77  M=2048 0.83 | 0.81   M=4096 0.78 | 0.84
+#          4096x14336   M=512 0.70 | 0.61   M=1024 0.75 | 0.75  M=2048 0.78 | 0.86
+#          28672x8192   M=1024 0.89 | 0.73  M=2048 0.93 | 0.81  M=4096 0.90 | 0.97
+#   H200:  4096x4096    M=256 0.60 | 0.59   M=512 0.57 | 0.68
+#          6144x4096    M=256 0.58 | 0.54   M=512 0.64 | 0.67   M=1024 0.59 | 0.80
+#          14336x4096   M=512 0.78 | 0.69   M=1024 0.71 | 0.79
+#          4096x14336   M=512 0.69 | 0.67   M=1024 0.74 | 0.79
+#          28672x8192   M=1024 0.81 | 0.76 and 0.82 | 0.83 (two runs; the H100's 0.89 | 0.73 decides)
+GEMM_MAX_M, GEMM_MAX_M_MID, GEMM_MAX_M_SMALL = 1024, 512, 256
+GEMM_SMALL_NUMEL, GEMM_LARGE_NUMEL = 6144 * 4096, 28672 * 8192
 
 
 def linear_uses_gemm(M: int, dtype: torch.dtype, out_features: int, in_features: int) -> bool:
     """For a tiled weight on a device where wgmma_runs_on."""
-    most = GEMM_MAX_M_SMALL if out_features * in_features <= GEMM_SMALL_NUMEL else GEMM_MAX_M
+    numel = out_features * in_features
+    most = (GEMM_MAX_M if numel >= GEMM_LARGE_NUMEL else GEMM_MAX_M_SMALL if numel <= GEMM_SMALL_NUMEL
+            else GEMM_MAX_M_MID)
     return GEMV_MAX_M < M <= most and dtype in GEMV_DTYPES
+
+
+# The bit-plane GEMM (kernels.gemm_planes_out, mma.sync, compute capability 8.0+) is not yet a path of `linear`:
+# compute-sanitizer's synccheck and racecheck reported barrier errors in its decode warps, and on the H200 it beat
+# dequantize + cuBLAS only on long rows at 65-128 tokens (docs/design.md has its numbers). It needs 155-203 KB of shared
+# memory per CTA: sm_80 and sm_90, not sm_86 / sm_89 (99 KB).
+_planes_gemm: dict[tuple[int, int], bool] = {}
+
+
+def planes_gemm_runs_on(index: int, k: int) -> bool:
+    """The library's bit-plane GEMM runs for K = k on CUDA device `index` (its shared memory holds the kernel's
+    stages, as the library says). Cached: asked per call."""
+    ok = _planes_gemm.get((index, k))
+    if ok is None:
+        ok = library.lib is not None and torch.cuda.get_device_capability(index)[0] >= 8
+        if ok:
+            with torch.cuda.device(index):
+                ok = library.lib.kbit_gemm_planes_workspace(128, 128, 256, k) >= 0
+        _planes_gemm[(index, k)] = ok
+    return ok
 
 
 # One experts block (kbit-bench experts) on an H100, K = 4, microseconds, the library's grouped kernel | dequantize +

@@ -246,6 +246,58 @@ def gemm_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
     return out
 
 
+# the bit-plane GEMM's launch shapes gemm_planes_out can force (csrc/kbit_api.h, kbit_gemm_planes_kernel): tokens per
+# CTA, stages
+PLANES_GEMM_SHAPES = {"auto": (0, 0), **{f"bn{bn}s{st}": (bn, st) for bn in (64, 128) for st in (3, 4)}}
+
+
+def gemm_planes_out(x, packed, absmax, scale, codebook, k, in_features, bias, out, shape: str = "auto"):
+    """Tensor-core GEMM over bit-plane weights into `out` [M, out_features] (mma.sync, compute capability 8.0+): x
+    [M, in] fp16/bf16 with in % 8 == 0, bias None or x's dtype. Where the layer splits its k range, a workspace is
+    allocated (from torch's caching allocator: CUDA-graph safe). `shape` (a PLANES_GEMM_SHAPES name) forces the
+    tokens per CTA and the stages (tests, benchmarks)."""
+    _need("gemm_planes_out", x, packed, absmax, scale, bias, out)
+    _check_shapes(packed, absmax, scale, k, in_features)
+    dev = x.device
+    if is_tiled(packed):
+        raise ValueError("gemm_planes_out takes bit-plane weights (uint32 packed); this one is tiled (gemm_out)")
+    if x.dtype not in dispatch.GEMV_DTYPES or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"gemm_planes_out takes fp16/bf16 x and a bias of x's dtype; got x {x.dtype}, bias "
+                         f"{None if bias is None else bias.dtype}")
+    if in_features % 8:
+        raise ValueError(f"gemm_planes_out reads x in 16-byte words: in_features must be a multiple of 8, got "
+                         f"{in_features}")
+    M, out_f = x.shape[0], packed.shape[0]
+    if x.dim() != 2 or x.shape[1] != in_features or tuple(out.shape) != (M, out_f) or out.dtype != x.dtype \
+            or not out.is_contiguous():
+        raise ValueError(f"gemm_planes_out: x must be [M, {in_features}] and out a contiguous [M, {out_f}] of x's "
+                         f"dtype; got x {tuple(x.shape)}, out {out.dtype} {tuple(out.shape)}")
+    if shape not in PLANES_GEMM_SHAPES:
+        raise ValueError(f"shape: {shape!r} is not one of {sorted(PLANES_GEMM_SHAPES)}")
+    if not x.is_contiguous() or x.data_ptr() & 15:
+        x = x.clone(memory_format=torch.contiguous_format)  # a fresh allocation: 16-byte aligned
+    if bias is not None:
+        bias = bias.contiguous()
+    # every tensor whose pointer is passed stays referenced until the launch (see gemm_out)
+    packed, absmax, scale, cb = packed.contiguous(), absmax.contiguous(), scale.contiguous(), _cb(codebook, dev, k)
+    bn, stages = PLANES_GEMM_SHAPES[shape]
+    with on_device(dev):
+        lib = library.lib
+        nbytes = lib.kbit_gemm_planes_workspace(M, out_f, in_features, k)
+        if nbytes < 0:
+            raise RuntimeError(f"kbit CUDA gemm: no bit-plane GEMM for {dev} (M={M}, {out_f} x {in_features}, k={k})")
+        if bn:  # a forced shape splits the k range by its own CTA count: room for the most splits
+            nbytes = M * out_f * 4 * max(1, min(torch.cuda.get_device_properties(dev).multi_processor_count,
+                                                -(-in_features // 128) // 2))
+        ws = torch.empty(nbytes, dtype=torch.uint8, device=dev) if nbytes else None
+        rc = lib.kbit_gemm_planes_kernel(x.data_ptr(), DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
+                                         _absmax_fp16(absmax), scale.data_ptr(), cb.data_ptr(), k, out_f, in_features,
+                                         0 if bias is None else bias.data_ptr(), out.data_ptr(),
+                                         0 if ws is None else ws.data_ptr(), nbytes, bn, stages, stream_of(dev))
+    check(rc, "gemm (bit planes)")
+    return out
+
+
 _KSET = frozenset(fmt.SUPPORTED_K)
 
 

@@ -15,7 +15,7 @@ import torch
 from ..ctypes_library import F32 as _f32, I32 as _i32, I64 as _i64, LIB_DIR, PTR as _vp, open_library
 
 # csrc/kbit_quant.cu kbit_abi_version(): a library built from other sources is refused
-ABI_VERSION = 15
+ABI_VERSION = 16
 
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -41,8 +41,14 @@ _SIGNATURES = {
     "kbit_gemm_tiled": [_vp, _i32, _i64, _vp, _vp, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _vp, _i64, _vp],
     "kbit_expert_gemm_workspace": [_i64, _i64, _i64],
     "kbit_expert_gemm": [_vp, _i32, _i64, _vp, _i64, _vp, _vp, _i32, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _i64, _vp],
+    "kbit_gemm_planes_workspace": [_i64, _i64, _i64, _i32],
+    "kbit_gemm_planes": [_vp, _i32, _i64, _vp, _vp, _i32, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _vp, _i64, _vp],
+    "kbit_gemm_planes_kernel": [_vp, _i32, _i64, _vp, _vp, _i32, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _vp, _i64,
+                                _i32, _i32, _vp],
 }
-_RESTYPES = {"kbit_gemm_tiled_workspace": _i64, "kbit_expert_gemv_workspace": _i64, "kbit_expert_gemm_workspace": _i64}  # the others return an int status
+# the others return an int status
+_RESTYPES = {"kbit_gemm_tiled_workspace": _i64, "kbit_expert_gemv_workspace": _i64, "kbit_expert_gemm_workspace": _i64,
+             "kbit_gemm_planes_workspace": _i64}
 
 lib = None
 _load_error: str | None = None
