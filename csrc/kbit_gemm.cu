@@ -16,7 +16,8 @@
 //   with ldmatrix.x4 fragments (tokens as the MMA's n, NT = BN / 32 tiles of 8 per warp).
 // - Phase i, between CTA barriers i and i + 1: the MMA warps multiply group i while the decode warps copy group
 //   i + stages - 1 and decode group i + 1, into the stage and tile that group i - 1 freed at barrier i. A barrier of
-//   the decode warps alone makes every decode thread's copies visible to the others before they decode.
+//   the decode warps alone makes every decode thread's copies visible to the others before they decode. Both are
+//   named barriers of the unaligned form (barrier.sync): the two roles reach them from different instructions.
 // - Rows past M or out, k past in and blocks past nb are zeros. Both tiles store 16-byte unit u of row r at u ^ (r & 7):
 //   the eight rows of each ldmatrix read distinct bank groups.
 // - Epilogue: the sums times the tensor scale and POST (+ bias), rounded to the activation dtype; neighbouring lanes
@@ -87,7 +88,8 @@ __device__ __forceinline__ void pg_store_unit(unsigned char* wt, const unsigned 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
+               : "r"(addr)
+               : "memory");
 }
 
 // decode warps: one block of the group per thread and pass (PG_DEC_THREADS x 4 = 128 rows x 4 blocks)
@@ -215,22 +217,18 @@ __global__ void __launch_bounds__(PG_THREADS, 1)
       cp_async_commit();
     }
     wait_landed();
-    __syncwarp();  // bar.sync is warp-aligned: the copy loops' lanes diverge
-    bar_group(PG_BAR_DEC, PG_DEC_THREADS);  // every decode thread's copies of group 0 have landed
+    bar_group_unaligned(PG_BAR_DEC, PG_DEC_THREADS);  // every decode thread's copies of group 0 have landed
     decode(0);
-    __syncwarp();
-    bar_group(PG_BAR_ALL, PG_THREADS);
+    bar_group_unaligned(PG_BAR_ALL, PG_THREADS);
     for (int i = 0; i < n; ++i) {
       const int ic = i + ahead;
       if (ic < n) copy_group(G0 + ic, ic % stages);
       cp_async_commit();
       wait_landed();
-      __syncwarp();
-      bar_group(PG_BAR_DEC, PG_DEC_THREADS);  // group i + 1 has landed
+      bar_group_unaligned(PG_BAR_DEC, PG_DEC_THREADS);  // group i + 1 has landed
       if (i + 1 < n) decode(i + 1);
       if (ic < n) put_scales(ic % stages);  // read by decode(ic), phases later
-      __syncwarp();
-      bar_group(PG_BAR_ALL, PG_THREADS);
+      bar_group_unaligned(PG_BAR_ALL, PG_THREADS);
     }
     cp_async_wait<0>();
     return;
@@ -250,7 +248,7 @@ __global__ void __launch_bounds__(PG_THREADS, 1)
   // + (lane & 7), unit 2 kk + (lane / 8) % 2
   const int a_row = 64 * wr + (lane & 15), a_hi = lane >> 4;
   const int b_tok = (BN / 4) * wt + ((lane >> 4) << 3) + (lane & 7), b_hi = (lane >> 3) & 1;
-  bar_group(PG_BAR_ALL, PG_THREADS);
+  bar_group_unaligned(PG_BAR_ALL, PG_THREADS);
   for (int i = 0; i < n; ++i) {
     const uint32_t wbase = wtile_s + (i & 1) * PG_TILE, xbase = ring_s + (i % stages) * STAGE + SX;
 #pragma unroll
@@ -273,12 +271,12 @@ __global__ void __launch_bounds__(PG_THREADS, 1)
 #pragma unroll
         for (int t = 0; t < NT; ++t) Mma<T>::run(acc[ti][t], a[ti][0], a[ti][1], a[ti][2], a[ti][3], b[t][0], b[t][1]);
     }
-    bar_group(PG_BAR_ALL, PG_THREADS);  // group i multiplied: its tile and stage are free
+    bar_group_unaligned(PG_BAR_ALL, PG_THREADS);  // group i multiplied: its tile and stage are free
   }
 
   // epilogue: acc[i][t] = (row 16 i + g, tokens 2 q, 2 q + 1), (row + 8, the same tokens)
   const float post = Mma<T>::POST * (splits == 1 ? __ldg(scale) : 1.f);
-  const bool pairs = splits == 1 && (out & 1) == 0;
+  const bool pairs = splits == 1 && (out & 1) == 0 && ((uintptr_t)y & 3) == 0;  // 4-byte stores
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -355,9 +353,9 @@ int gemm_planes_launch(const T* x, int64_t M, const uint32_t* packed, const void
     if (ea != cudaSuccess) return (int)ea;
     allowed = smem;
   }
-  const bool words16 = ((int64_t)((in + 31) / 32) * K) % 4 == 0;
+  const bool words16 = ((int64_t)((in + 31) / 32) * K) % 4 == 0 && ((uintptr_t)packed & 15) == 0;
   const dim3 grid((unsigned)((out + PG_ROWS - 1) / PG_ROWS), (unsigned)((M + sh.bn - 1) / sh.bn), (unsigned)sh.splits);
-  kernel<<<grid, PG_THREADS, smem, st>>>(x, (int)M, packed, absmax, fp16, scale, cb, bias, (int)out, (int)in,
+  kernel<<<grid, PG_THREADS, smem, st>>>(x, (int)M, packed, absmax, fp16 ? 1 : 0, scale, cb, bias, (int)out, (int)in,
                                           sh.stages, words16, y, ws, sh.splits);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || sh.splits == 1) return (int)e;

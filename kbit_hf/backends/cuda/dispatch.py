@@ -98,9 +98,10 @@ def linear_uses_gemm(M: int, dtype: torch.dtype, out_features: int, in_features:
 
 
 # The bit-plane GEMM (kernels.gemm_planes_out, mma.sync, compute capability 8.0+) is not yet a path of `linear`:
-# compute-sanitizer's synccheck and racecheck reported barrier errors in its decode warps, and on the H200 it beat
-# dequantize + cuBLAS only on long rows at 65-128 tokens (docs/design.md has its numbers). It needs 155-203 KB of shared
-# memory per CTA: sm_80 and sm_90, not sm_86 / sm_89 (99 KB).
+# compute-sanitizer's synccheck and racecheck flagged its barriers (the aligned bar.sync reached by its two warp roles
+# from different instructions; it now uses the unaligned form, not yet run under the sanitizers), and on the H200 it
+# beat dequantize + cuBLAS only on long rows at 65-128 tokens (docs/design.md has its numbers). It needs 155-203 KB of
+# shared memory per CTA: sm_80 and sm_90, not sm_86 / sm_89 (99 KB).
 _planes_gemm: dict[tuple[int, int], bool] = {}
 
 
