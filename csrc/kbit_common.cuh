@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -277,6 +278,30 @@ __host__ __device__ __forceinline__ void fold_planes(const uint32_t (&w)[N], int
   }
   fold[0] = t;
   fold[1] = to;
+}
+
+// fold_planes for s = 0..3 of one block: f[s] (K <= 4) has in byte B the 2K-bit index of the pair (8 B + 2 s,
+// 8 B + 2 s + 1); K = 5: f[s] / f[4 + s] hold those of bytes 0, 2 / 1, 3 in 16-bit fields
+template <int K>
+__host__ __device__ __forceinline__ void fold_block(const uint32_t (&w)[K], uint32_t (&f)[K == 5 ? 8 : 4]) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    uint32_t fold[2];
+    fold_planes<K>(w, s, fold);
+    f[s] = fold[0];
+    if constexpr (K == 5) f[4 + s] = fold[1];
+  }
+}
+
+// The k bits of a call become the template argument K: f(std::integral_constant<int, K>) for k = 2..5, or
+// cudaErrorInvalidValue.
+template <typename F>
+int with_k(int k, F&& f) {
+  if (k == 4) return f(std::integral_constant<int, 4>{});
+  if (k == 2) return f(std::integral_constant<int, 2>{});
+  if (k == 5) return f(std::integral_constant<int, 5>{});
+  if (k == 3) return f(std::integral_constant<int, 3>{});
+  return (int)cudaErrorInvalidValue;
 }
 
 // The bit-plane pair tables' entry p: (cb[i0], cb[i1]) * PRE in T, i0 / i1 = the even / odd bits of p (the index of an

@@ -98,19 +98,6 @@ __device__ __forceinline__ void eg_load_block(const uint32_t* p, uint32_t (&w)[K
   }
 }
 
-// The block's planes folded into pair indices: f[s] (K <= 4) has in byte B the 2K-bit index of the pair (8 B + 2 s,
-// 8 B + 2 s + 1); K = 5: f[s] / f[4 + s] hold those of bytes 0, 2 / 1, 3 in 16-bit fields
-template <int K>
-__device__ __forceinline__ void eg_fold(const uint32_t (&w)[K], uint32_t (&f)[K == 5 ? 8 : 4]) {
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    uint32_t fold[2];
-    fold_planes<K>(w, s, fold);
-    f[s] = fold[0];
-    if constexpr (K == 5) f[4 + s] = fold[1];
-  }
-}
-
 // A registers of step kb (k slices 2 kb, 2 kb + 1 of the group) of one row: slice h, j = 0 / 1 is pair 4 kb + 2 h + j
 // of the lane's block (x is gathered in that order: gather_rows_kernel), byte kb of fold 2 h + j
 template <typename T, int K>
@@ -230,7 +217,7 @@ __global__ void __launch_bounds__(EG_THREADS, 1)
   auto prepare = [&](const EgGroup<K>& r) {
 #pragma unroll
     for (int row = 0; row < 2; ++row) {
-      eg_fold<K>(r.w[row], fold[row]);
+      fold_block<K>(r.w[row], fold[row]);
       d2[row] = scale_pair<T>(r.sc[row], fp16);
     }
   };

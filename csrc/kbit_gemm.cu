@@ -187,13 +187,7 @@ __global__ void __launch_bounds__(PG_THREADS, 1)
           for (int j = 0; j < K; ++j) w[j] = w_s[j];
         }
         uint32_t f[FW];
-#pragma unroll
-        for (int sq = 0; sq < 4; ++sq) {
-          uint32_t fold[2];
-          fold_planes<K>(w, sq, fold);
-          f[sq] = fold[0];
-          if constexpr (K == 5) f[4 + sq] = fold[1];
-        }
+        fold_block<K>(w, f);
         const uint32_t d2 = scale_pair<T>(reinterpret_cast<const unsigned short*>(st + SS)[b], fp16);
         pg_store_unit<T, K, 0>(wt, tb, row, blk, f, d2, c4);
         pg_store_unit<T, K, 1>(wt, tb, row, blk, f, d2, c4);
@@ -361,15 +355,6 @@ int gemm_planes_launch(const T* x, int64_t M, const uint32_t* packed, const void
   if (e != cudaSuccess || sh.splits == 1) return (int)e;
   gemm_reduce_kernel<T><<<grid_for_threads(M * out, 256, 8), 256, 0, st>>>(ws, sh.splits, M * out, out, scale, bias, y);
   return (int)cudaGetLastError();
-}
-
-template <typename F>
-int with_k(int k, F&& f) {
-  if (k == 4) return f(std::integral_constant<int, 4>{});
-  if (k == 2) return f(std::integral_constant<int, 2>{});
-  if (k == 5) return f(std::integral_constant<int, 5>{});
-  if (k == 3) return f(std::integral_constant<int, 3>{});
-  return (int)cudaErrorInvalidValue;
 }
 
 bool planes_args_ok(int64_t M, int64_t out, int64_t in, const void* x) {

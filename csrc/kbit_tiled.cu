@@ -1686,17 +1686,6 @@ int dequantize_tiled_k(const void* wt, const void* at, const float* scale, const
   }
 }
 
-// The one place where k becomes the template argument K: f(std::integral_constant<int, K>) for k = 2..5, or
-// cudaErrorInvalidValue.
-template <typename F>
-int with_tiled_k(int k, F&& f) {
-  if (k == 4) return f(std::integral_constant<int, 4>{});
-  if (k == 2) return f(std::integral_constant<int, 2>{});
-  if (k == 5) return f(std::integral_constant<int, 5>{});
-  if (k == 3) return f(std::integral_constant<int, 3>{});
-  return (int)cudaErrorInvalidValue;
-}
-
 }  // namespace
 
 extern "C" {
@@ -1704,7 +1693,7 @@ extern "C" {
 KBIT_API int kbit_tile(const uint32_t* packed, const void* absmax, int k, int64_t out, int64_t in, void* wt, void* at,
                        void* stream) {
   if (!tiled_shape(out, in)) return (int)cudaErrorInvalidValue;
-  return with_tiled_k(k, [&](auto kc) {
+  return with_k(k, [&](auto kc) {
     tile_kernel<kc.value><<<grid_for_threads(out * in * kc.value / 32), 256, 0, (cudaStream_t)stream>>>(
         packed, (const uint8_t*)absmax, out, (int)in, (uint32_t*)wt, (uint8_t*)at);
     return (int)cudaGetLastError();
@@ -1714,7 +1703,7 @@ KBIT_API int kbit_tile(const uint32_t* packed, const void* absmax, int k, int64_
 KBIT_API int kbit_untile(const void* wt, const void* at, int k, int64_t out, int64_t in, uint32_t* packed, void* absmax,
                          void* stream) {
   if (!tiled_shape(out, in)) return (int)cudaErrorInvalidValue;
-  return with_tiled_k(k, [&](auto kc) {
+  return with_k(k, [&](auto kc) {
     untile_kernel<kc.value><<<grid_for_threads(out * in / 32), 256, 0, (cudaStream_t)stream>>>(
         (const uint8_t*)wt, (const uint8_t*)at, out, (int)in, packed, (uint8_t*)absmax);
     return (int)cudaGetLastError();
@@ -1724,7 +1713,7 @@ KBIT_API int kbit_untile(const void* wt, const void* at, int k, int64_t out, int
 KBIT_API int kbit_dequantize_tiled(const void* wt, const void* at, const float* scale, const float* codebook, int k,
                                    int64_t out, int64_t in, void* y, int y_dtype, void* stream) {
   if (!tiled_shape(out, in)) return (int)cudaErrorInvalidValue;
-  return with_tiled_k(k, [&](auto kc) {
+  return with_k(k, [&](auto kc) {
     return dequantize_tiled_k<kc.value>(wt, at, scale, codebook, out, in, y, y_dtype, (cudaStream_t)stream);
   });
 }
@@ -1738,7 +1727,7 @@ KBIT_API int kbit_gemv_tiled_kernel(const void* x, int x_dtype, int64_t M, const
     return (int)cudaErrorInvalidValue;
   cudaStream_t st = (cudaStream_t)stream;
   const uint8_t *w = (const uint8_t*)wt, *a = (const uint8_t*)at;
-  return with_tiled_k(k, [&](auto kc) {
+  return with_k(k, [&](auto kc) {
     constexpr int K = kc.value;
     if (x_dtype == BF16)
       return gemv_tiled_launch<__nv_bfloat16, K>((const __nv_bfloat16*)x, (int)M, w, a, scale, codebook,
@@ -1774,7 +1763,7 @@ KBIT_API int kbit_gemm_tiled(const void* x, int x_dtype, int64_t M, const void* 
   cudaStream_t st = (cudaStream_t)stream;
   const uint8_t *w = (const uint8_t*)wt, *a = (const uint8_t*)at;
   float* ws = (float*)workspace;
-  return with_tiled_k(k, [&](auto kc) {
+  return with_k(k, [&](auto kc) {
     constexpr int K = kc.value;
     if (x_dtype == BF16)
       return gemm_tiled_launch<__nv_bfloat16, K>((const __nv_bfloat16*)x, M, w, a, scale, codebook,

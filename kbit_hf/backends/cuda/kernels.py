@@ -204,6 +204,19 @@ def linear_out(x, packed, absmax, scale, codebook, k, in_features, bias, out, ti
     return out
 
 
+def _gemm_operands(name, x, packed, bias, out, in_features):
+    """(M, out_features) after checking a GEMM's x, bias and out against the weight."""
+    if x.dtype not in dispatch.GEMV_DTYPES or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(f"{name} takes fp16/bf16 x and a bias of x's dtype; got x {x.dtype}, bias "
+                         f"{None if bias is None else bias.dtype}")
+    M, out_f = x.shape[0], packed.shape[0]
+    if x.dim() != 2 or x.shape[1] != in_features or tuple(out.shape) != (M, out_f) or out.dtype != x.dtype \
+            or not out.is_contiguous():
+        raise ValueError(f"{name}: x must be [M, {in_features}] and out a contiguous [M, {out_f}] of x's dtype; "
+                         f"got x {tuple(x.shape)}, out {out.dtype} {tuple(out.shape)}")
+    return M, out_f
+
+
 def gemm_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
     """Tensor-core GEMM over a tiled weight into `out` [M, out_features]: x [M, in] fp16/bf16 (any M >= 1; copied
     into the GEMM's k order, tiled.gemm_k_order), bias None or x's dtype. Needs a compute capability 9.0 GPU. Where the
@@ -215,14 +228,7 @@ def gemm_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
         raise ValueError("gemm_out needs a tiled weight (uint8 packed; see ops.device_layout)")
     if not dispatch.wgmma_runs_on(dev.index if dev.index is not None else torch.cuda.current_device()):
         raise RuntimeError(f"the tiled GEMM needs a compute capability 9.0 GPU; {dev} is not one")
-    if x.dtype not in dispatch.GEMV_DTYPES or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"gemm_out takes fp16/bf16 x and a bias of x's dtype; got x {x.dtype}, bias "
-                         f"{None if bias is None else bias.dtype}")
-    M, out_f = x.shape[0], packed.shape[0]
-    if x.dim() != 2 or x.shape[1] != in_features or tuple(out.shape) != (M, out_f) or out.dtype != x.dtype \
-            or not out.is_contiguous():
-        raise ValueError(f"gemm_out: x must be [M, {in_features}] and out a contiguous [M, {out_f}] of x's dtype; "
-                         f"got x {tuple(x.shape)}, out {out.dtype} {tuple(out.shape)}")
+    M, out_f = _gemm_operands("gemm_out", x, packed, bias, out, in_features)
     if not 1 <= M <= GEMM_MAX_ROWS:
         raise ValueError(f"gemm_out takes 1..{GEMM_MAX_ROWS} rows of x; got {M}")
     x = gemm_k_order(x)  # a fresh contiguous copy: 16-byte aligned
@@ -261,17 +267,10 @@ def gemm_planes_out(x, packed, absmax, scale, codebook, k, in_features, bias, ou
     dev = x.device
     if is_tiled(packed):
         raise ValueError("gemm_planes_out takes bit-plane weights (uint32 packed); this one is tiled (gemm_out)")
-    if x.dtype not in dispatch.GEMV_DTYPES or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError(f"gemm_planes_out takes fp16/bf16 x and a bias of x's dtype; got x {x.dtype}, bias "
-                         f"{None if bias is None else bias.dtype}")
+    M, out_f = _gemm_operands("gemm_planes_out", x, packed, bias, out, in_features)
     if in_features % 8:
         raise ValueError(f"gemm_planes_out reads x in 16-byte words: in_features must be a multiple of 8, got "
                          f"{in_features}")
-    M, out_f = x.shape[0], packed.shape[0]
-    if x.dim() != 2 or x.shape[1] != in_features or tuple(out.shape) != (M, out_f) or out.dtype != x.dtype \
-            or not out.is_contiguous():
-        raise ValueError(f"gemm_planes_out: x must be [M, {in_features}] and out a contiguous [M, {out_f}] of x's "
-                         f"dtype; got x {tuple(x.shape)}, out {out.dtype} {tuple(out.shape)}")
     if shape not in PLANES_GEMM_SHAPES:
         raise ValueError(f"shape: {shape!r} is not one of {sorted(PLANES_GEMM_SHAPES)}")
     if not x.is_contiguous() or x.data_ptr() & 15:
