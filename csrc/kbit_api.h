@@ -138,17 +138,16 @@ KBIT_API int kbit_expert_gemm(const void* x, int x_dtype, int64_t N, const int64
 /* Tensor-core GEMM over the bit planes for M > 64 tokens on any supported GPU (mma.sync, sm_80+): y [M, out] =
  * x [M, in] W^T (+ bias), x/bias/y float16 or bfloat16, x 16-byte aligned, in a multiple of 8, fp32 accumulation;
  * the planes and scales as kbit_gemv reads them (E == 1). Where the layer has too few CTAs to fill the GPU the library
- * splits the k range and needs a workspace of kbit_gemm_planes_workspace(M, out, in, k) bytes (0: none; -1: bad
- * shape or no device) on the current device. cudaErrorNotSupported: the device's shared memory cannot hold the
+ * splits the k range and needs a workspace of kbit_gemm_planes_workspace(M, out, in, k, 0) bytes (0: none; -1: bad
+ * shape, or no launch shape fits the current device). cudaErrorNotSupported: the device's shared memory cannot hold the
  * kernel's stages. */
-KBIT_API int64_t kbit_gemm_planes_workspace(int64_t M, int64_t out, int64_t in, int k);
+KBIT_API int64_t kbit_gemm_planes_workspace(int64_t M, int64_t out, int64_t in, int k, int bn);
 KBIT_API int kbit_gemm_planes(const void* x, int x_dtype, int64_t M, const uint32_t* packed, const void* absmax,
                               int absmax_fp16, const float* scale, const float* codebook, int k, int64_t out,
                               int64_t in, const void* bias, void* y, void* workspace, int64_t workspace_bytes,
                               void* stream);
 /* kbit_gemm_planes with the launch shape forced, for tests and benchmarks: bn 64 or 128 tokens per CTA, stages 3 or 4;
- * 0 keeps the library's choice of each. The workspace must hold
- * splits x M x out floats for the forced shape's k splits (kbit_gemm_planes_workspace gives the library's). */
+ * 0 keeps the library's choice of each. Its workspace: kbit_gemm_planes_workspace with the same bn. */
 KBIT_API int kbit_gemm_planes_kernel(const void* x, int x_dtype, int64_t M, const uint32_t* packed,
                                      const void* absmax, int absmax_fp16, const float* scale, const float* codebook,
                                      int k, int64_t out, int64_t in, const void* bias, void* y, void* workspace,

@@ -28,7 +28,6 @@
 #include "kbit_dispatch.h"
 
 #include <cuda_runtime.h>
-#include <type_traits>
 
 using namespace kbit;
 
@@ -366,13 +365,13 @@ bool planes_args_ok(int64_t M, int64_t out, int64_t in, const void* x) {
 
 extern "C" {
 
-KBIT_API int64_t kbit_gemm_planes_workspace(int64_t M, int64_t out, int64_t in, int k) {
+KBIT_API int64_t kbit_gemm_planes_workspace(int64_t M, int64_t out, int64_t in, int k, int bn) {
   int dev = 0, sms = 0;
   if (!planes_args_ok(M, out, in, nullptr) || !current_device_sms(dev, sms)) return -1;
   int64_t bytes = -1;
   with_k(k, [&](auto kc) {
     GemmPlanesShape sh;
-    if (gemm_planes_shape<kc.value>(M, out, in, dev, sms, 0, 0, sh)) bytes = gemm_planes_workspace_bytes(sh, M, out);
+    if (gemm_planes_shape<kc.value>(M, out, in, dev, sms, bn, 0, sh)) bytes = gemm_planes_workspace_bytes(sh, M, out);
     return 0;
   });
   return bytes;

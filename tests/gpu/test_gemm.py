@@ -34,11 +34,21 @@ def _sm90a():
     return dispatch.wgmma_runs_on(torch.cuda.current_device())
 
 
-def _quantized(shape, k, seed):
+def _quantized(shape, k, seed, absmax_format="e4m4"):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(shape, generator=g)
     w[1, 32:64] *= 1e-5  # a subnormal e4m4 block scale
-    return reference.quantize(w, fmt.nf0_codebook(k), k, "e4m4")
+    return reference.quantize(w, fmt.nf0_codebook(k), k, absmax_format)
+
+
+def _assert_replays(graph, x, y, want):
+    """Replays `graph` on two fresh inputs written into x, with y poisoned first: y equals want() after each."""
+    for seed in (1, 2):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, want())
 
 
 def _gemm(x, wt, at, s, cb, k, in_f, bias):
@@ -116,12 +126,7 @@ def test_gemm_tiled_cuda_graph(shape):
     x = torch.randn(160, in_f, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(160, out_f, device="cuda", dtype=torch.bfloat16)
     graph = _captured(lambda: y.copy_(kernels.linear(x, wt, at, s, cb, k, in_f)))
-    for seed in (1, 2):
-        x.copy_(torch.randn(160, in_f, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
-        y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, _gemm(x, wt, at, s, cb, k, in_f, None))
+    _assert_replays(graph, x, y, lambda: _gemm(x, wt, at, s, cb, k, in_f, None))
 
 
 def test_gemm_tiled_errors():

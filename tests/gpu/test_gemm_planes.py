@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from kbit_hf import format as fmt
-from kbit_hf.backends import reference
 from kbit_hf.backends.cuda import dispatch, kernels
-from .test_gemm import _ref_linear64
+from .test_gemm import _assert_replays, _quantized, _ref_linear64
 from .test_kernels import GEMV_REL_W, _assert_linear_close, _captured
 
 pytestmark = pytest.mark.cuda
@@ -24,13 +23,6 @@ def _runs_here():
 # (16, 256): one partial CTA, 2 groups; (127, 776): odd outputs, in % 32 == 8 (a partial last block and group);
 # (272, 1000): in % 128 == 104; (2000, 2304): a k split that does not divide the groups evenly; (4096, 1024): 32 CTAs
 SHAPES = [(16, 256), (127, 776), (272, 1000), (2000, 2304), (4096, 1024)]
-
-
-def _quantized(shape, k, seed, absmax_format="e4m4"):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(shape, generator=g)
-    w[1, 32:64] *= 1e-5  # a subnormal e4m4 block scale
-    return reference.quantize(w, fmt.nf0_codebook(k), k, absmax_format)
 
 
 def _gemm(x, p, a, s, cb, k, in_f, bias, shape="auto"):
@@ -109,12 +101,7 @@ def test_gemm_planes_cuda_graph(shape):
     x = torch.randn(160, in_f, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(160, out_f, device="cuda", dtype=torch.bfloat16)
     graph = _captured(lambda: kernels.gemm_planes_out(x, p, a, s, cb, k, in_f, None, y))
-    for seed in (1, 2):
-        x.copy_(torch.randn(160, in_f, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)))
-        y.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, _gemm(x, p, a, s, cb, k, in_f, None))
+    _assert_replays(graph, x, y, lambda: _gemm(x, p, a, s, cb, k, in_f, None))
 
 
 def test_gemm_planes_errors():

@@ -113,7 +113,7 @@ def planes_gemm_runs_on(index: int, k: int) -> bool:
         ok = library.lib is not None and torch.cuda.get_device_capability(index)[0] >= 8
         if ok:
             with torch.cuda.device(index):
-                ok = library.lib.kbit_gemm_planes_workspace(128, 128, 256, k) >= 0
+                ok = library.lib.kbit_gemm_planes_workspace(128, 128, 256, k, 0) >= 0
         _planes_gemm[(index, k)] = ok
     return ok
 

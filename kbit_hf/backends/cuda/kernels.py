@@ -282,12 +282,10 @@ def gemm_planes_out(x, packed, absmax, scale, codebook, k, in_features, bias, ou
     bn, stages = PLANES_GEMM_SHAPES[shape]
     with on_device(dev):
         lib = library.lib
-        nbytes = lib.kbit_gemm_planes_workspace(M, out_f, in_features, k)
+        nbytes = lib.kbit_gemm_planes_workspace(M, out_f, in_features, k, bn)
         if nbytes < 0:
-            raise RuntimeError(f"kbit CUDA gemm: no bit-plane GEMM for {dev} (M={M}, {out_f} x {in_features}, k={k})")
-        if bn:  # a forced shape splits the k range by its own CTA count: room for the most splits
-            nbytes = M * out_f * 4 * max(1, min(torch.cuda.get_device_properties(dev).multi_processor_count,
-                                                -(-in_features // 128) // 2))
+            raise RuntimeError(f"kbit CUDA gemm: no bit-plane GEMM for {dev} (M={M}, {out_f} x {in_features}, k={k}, "
+                               f"shape {shape}): operation not supported")
         ws = torch.empty(nbytes, dtype=torch.uint8, device=dev) if nbytes else None
         rc = lib.kbit_gemm_planes_kernel(x.data_ptr(), DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
                                          _absmax_fp16(absmax), scale.data_ptr(), cb.data_ptr(), k, out_f, in_features,

@@ -41,7 +41,7 @@ _SIGNATURES = {
     "kbit_gemm_tiled": [_vp, _i32, _i64, _vp, _vp, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _vp, _i64, _vp],
     "kbit_expert_gemm_workspace": [_i64, _i64, _i64],
     "kbit_expert_gemm": [_vp, _i32, _i64, _vp, _i64, _vp, _vp, _i32, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _i64, _vp],
-    "kbit_gemm_planes_workspace": [_i64, _i64, _i64, _i32],
+    "kbit_gemm_planes_workspace": [_i64, _i64, _i64, _i32, _i32],
     "kbit_gemm_planes": [_vp, _i32, _i64, _vp, _vp, _i32, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _vp, _i64, _vp],
     "kbit_gemm_planes_kernel": [_vp, _i32, _i64, _vp, _vp, _i32, _vp, _vp, _i32, _i64, _i64, _vp, _vp, _vp, _i64,
                                 _i32, _i32, _vp],
