@@ -192,10 +192,6 @@ __device__ __forceinline__ float load_absmax(const void* absmax, size_t i, int a
 // named barrier of n threads (ids 1..15; 0 is __syncthreads). bar.sync is the aligned form: every warp of the n
 // threads must reach it at the same instruction.
 __device__ __forceinline__ void bar_group(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n)); }
-// the same barrier reached from different instructions (warps of different roles: kbit_gemm.cu)
-__device__ __forceinline__ void bar_group_unaligned(int id, int n) {
-  asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -364,6 +360,11 @@ __global__ void gemm_reduce_kernel(const float* __restrict__ ws, int splits, int
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, uint32_t src_bytes = 16) {
   const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+}
+// 8 bytes; src_bytes 0 or 4 zero-fill the rest
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem, uint32_t src_bytes = 8) {
+  const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
 }
 // 4 bytes; src_bytes 0 zero-fills
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, uint32_t src_bytes = 4) {

@@ -1,7 +1,7 @@
 // kbit_gemm.cu: the tensor-core GEMM over the bit planes (docs/format.md) for steps of more than 64 tokens on GPUs
 // without the tiled layout's wgmma GEMM (mma.sync m16n8k16, sm_80+): y [M, out] = x [M, in] W^T (+ bias), x / bias / y
-// fp16 or bf16, fp32 accumulation. Not yet a path of kernels.linear (kbit_hf/backends/cuda/dispatch.py says why);
-// the launch shape: kbit_dispatch.h.
+// fp16 or bf16, fp32 accumulation. kernels.linear runs it where dispatch.linear_uses_planes_gemm (long rows at 65-128
+// tokens: kbit_hf/backends/cuda/dispatch.py); the launch shape: kbit_dispatch.h.
 //
 // - A CTA computes 128 weight rows (blockIdx.x) x BN = 64 or 128 tokens (blockIdx.y) over its share of the k range
 //   (blockIdx.z of `splits`; splits > 1 leave fp32 partial sums in a workspace, summed by gemm_reduce_kernel). The k
@@ -9,15 +9,16 @@
 // - Two warp roles. 8 decode warps copy each group with cp.async into a ring of `stages` shared-memory stages,
 //   stages - 1 groups ahead (the group's activations, BN token rows of 256 bytes; its packed words, 128 rows x 4 K
 //   words as they lie in memory; its block scale codes, plain loads stored a phase later), then decode the group's
-//   weights into one of two bf16 / fp16 tiles of 128 rows x 128 k: thread t decodes blocks t and t + 256 (row b / 4,
-//   block b % 4), folding the block's K planes into pair indices (fold_planes) and looking each element pair up in a
+//   weights into one of two bf16 / fp16 tiles of 128 rows x 128 k: decode thread t copies and decodes blocks 2 (t % 2)
+//   and 2 (t % 2) + 1 of row t / 2 (words and scale codes), folding the block's K planes into pair indices (fold_planes) and looking each element pair up in a
 //   pair table of (cb[even bits], cb[odd bits]) x PRE (R replicas, lane l reads replica l % R), one HMUL2 applying the
 //   block scale. 8 MMA warps of 64 rows (warp & 1) x BN / 4 tokens (warp >> 1) multiply the tile by the activations
 //   with ldmatrix.x4 fragments (tokens as the MMA's n, NT = BN / 32 tiles of 8 per warp).
 // - Phase i, between CTA barriers i and i + 1: the MMA warps multiply group i while the decode warps copy group
-//   i + stages - 1 and decode group i + 1, into the stage and tile that group i - 1 freed at barrier i. A barrier of
-//   the decode warps alone makes every decode thread's copies visible to the others before they decode. Both are
-//   named barriers of the unaligned form (barrier.sync): the two roles reach them from different instructions.
+//   i + stages - 1 and decode group i + 1, into the stage and tile that group i - 1 freed at barrier i. A decode
+//   thread reads only the words and scale codes it copied itself, so its own cp.async wait orders them; the CTA
+//   barrier (__syncthreads, which the two roles reach at the same instruction, each phase's work in a warp-uniform
+//   branch) publishes the activations and the decoded tile to the MMA warps.
 // - Rows past M or out, k past in and blocks past nb are zeros. Both tiles store 16-byte unit u of row r at u ^ (r & 7):
 //   the eight rows of each ldmatrix read distinct bank groups.
 // - Epilogue: the sums times the tensor scale and POST (+ bias), rounded to the activation dtype; neighbouring lanes
@@ -91,15 +92,12 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
                : "memory");
 }
 
-// decode warps: one block of the group per thread and pass (PG_DEC_THREADS x 4 = 128 rows x 4 blocks)
-constexpr int PG_BAR_ALL = 1, PG_BAR_DEC = 2;  // named barriers: the CTA, the decode warps
-
 template <typename T, int K, int NT>
 __global__ void __launch_bounds__(PG_THREADS, 1)
     gemm_planes_kernel(const T* __restrict__ x, int M, const uint32_t* __restrict__ packed,
                        const void* __restrict__ absmax, int fp16, const float* __restrict__ scale,
                        const float* __restrict__ codebook, const T* __restrict__ bias, int out, int in, int stages,
-                       bool words16, T* __restrict__ y, float* __restrict__ ws, int splits) {
+                       int wcopy, T* __restrict__ y, float* __restrict__ ws, int splits) {
   constexpr int BN = 32 * NT, FW = K == 5 ? 8 : 4;
   using P = PgTable<K>;
   constexpr int SX = 0, SW = BN * 256, SS = SW + PG_ROWS * 4 * K * 4, STAGE = pg_stage_bytes<K>(BN);
@@ -117,116 +115,98 @@ __global__ void __launch_bounds__(PG_THREADS, 1)
     reinterpret_cast<uint32_t*>(tb)[i] = pair_entry<T, K>(codebook, i / P::R);
   __syncthreads();
 
-  if (warp >= PG_MMA_WARPS) {
-    // ---- decode warps: the copies, then each group's weights into a tile ----
-    const int dt = tid - 32 * PG_MMA_WARPS;
-    const int64_t row_words = (int64_t)nb * K;
-    // activations: unit xu of token rows xr + 16 c; packed words and scale codes: half wh of row wrow
-    const int xr = dt >> 4, xu = dt & 15, xrows = min(BN / 16, max(0, (M - n0 - xr + 15) / 16));
-    const T* xp = xrows > 0 ? x + (int64_t)(n0 + xr) * in + 8 * xu : x;
-    const int64_t xstride = (int64_t)16 * in;
-    const uint32_t xdst = SX + xr * 256 + pg_unit(xu, xr) * 16;  // + 4096 per 16 rows: the swizzle repeats
-    const int wrow = dt >> 1, wh = dt & 1;
-    const bool row_ok = r0 + wrow < out;
-    const uint32_t* wp = row_ok ? packed + (int64_t)(r0 + wrow) * row_words : packed;
-    const unsigned char* ap =
-        reinterpret_cast<const unsigned char*>(absmax) + (row_ok ? ((size_t)(r0 + wrow) * nb + 2 * wh) << fp16 : 0);
-    uint32_t sc[2];
-    auto copy_group = [&](int G, int s) {  // cp.async into stage s; scale codes into sc
-      unsigned char* st = ring + s * STAGE;
-      const bool kvalid = 128 * G + 8 * xu < in;  // in % 8 == 0: a unit is all inside or all past
+  const bool decoder = warp >= PG_MMA_WARPS;  // warp-uniform: the role
+  // ---- decode warps: the copies, then each group's weights into a tile (thread dt of 256) ----
+  const int dt = tid - 32 * PG_MMA_WARPS;
+  const int64_t row_words = (int64_t)nb * K;
+  // activations: unit xu of token rows xr + 16 c; packed words and scale codes: half wh of row wrow
+  const int xr = dt >> 4, xu = dt & 15, xrows = min(BN / 16, max(0, (M - n0 - xr + 15) / 16));
+  const T* xp = xrows > 0 ? x + (int64_t)(n0 + xr) * in + 8 * xu : x;
+  const int64_t xstride = (int64_t)16 * in;
+  const uint32_t xdst = SX + xr * 256 + pg_unit(xu, xr) * 16;  // + 4096 per 16 rows: the swizzle repeats
+  const int wrow = dt >> 1, wh = dt & 1;
+  const bool row_ok = r0 + wrow < out;
+  const uint32_t* wp = row_ok ? packed + (int64_t)(r0 + wrow) * row_words : packed;
+  const unsigned char* ap =
+      reinterpret_cast<const unsigned char*>(absmax) + (row_ok ? ((size_t)(r0 + wrow) * nb + 2 * wh) << fp16 : 0);
+  uint32_t sc[2];
+  auto copy_group = [&](int G, int s) {  // cp.async into stage s; scale codes into sc
+    unsigned char* st = ring + s * STAGE;
+    const bool kvalid = 128 * G + 8 * xu < in;  // in % 8 == 0: a unit is all inside or all past
 #pragma unroll
-      for (int c = 0; c < BN / 16; ++c) {
-        const bool v = kvalid && c < xrows;
-        cp_async16(st + xdst + 4096 * c, v ? xp + c * xstride + 128 * G : x, v ? 16 : 0);
+    for (int c = 0; c < BN / 16; ++c) {
+      const bool v = kvalid && c < xrows;
+      cp_async16(st + xdst + 4096 * c, v ? xp + c * xstride + 128 * G : x, v ? 16 : 0);
+    }
+    // this thread's words: blocks 2 wh, 2 wh + 1 of row wrow, 2 K words from word w0 of the row, as wcopy-byte copies
+    const int64_t w0 = (int64_t)4 * G * K + 2 * wh * K;
+    unsigned char* wd = st + SW + (wrow * 4 + 2 * wh) * K * 4;
+    auto words_left = [&](int64_t w, int most) {
+      return row_ok ? (int)min(max(row_words - w, (int64_t)0), (int64_t)most) : 0;
+    };
+    if (wcopy == 16) {  // K even, the row's words 16-byte aligned
+#pragma unroll
+      for (int c = 0; c < K / 2; ++c) {
+        const int v = words_left(w0 + 4 * c, 4);
+        cp_async16(wd + 16 * c, v ? wp + w0 + 4 * c : packed, 4 * v);
       }
-      const int64_t w0 = (int64_t)4 * G * K;
-      if (words16) {  // the row's words start 16-byte aligned: K 16-byte chunks per row and group
+    } else if (wcopy == 8) {  // the row's words 8-byte aligned
 #pragma unroll
-        for (int c = wh; c < K; c += 2) {
-          const int valid = row_ok ? (int)min(max(row_words - w0 - 4 * c, (int64_t)0), (int64_t)4) : 0;
-          cp_async16(st + SW + (wrow * K + c) * 16, valid ? wp + w0 + 4 * c : packed, 4 * valid);
-        }
+      for (int c = 0; c < K; ++c) {
+        const int v = words_left(w0 + 2 * c, 2);
+        cp_async8(wd + 8 * c, v ? wp + w0 + 2 * c : packed, 4 * v);
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < 2 * K; ++c) {
+        const int v = words_left(w0 + c, 1);
+        cp_async4(wd + 4 * c, v ? wp + w0 + c : packed, 4 * v);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const bool v = row_ok && 4 * G + 2 * wh + e < nb;
+      sc[e] = !v ? 0u : fp16 ? (uint32_t)reinterpret_cast<const unsigned short*>(ap)[4 * G + e]
+                            : (uint32_t)ap[4 * G + e];
+    }
+  };
+  auto put_scales = [&](int s) {
+    unsigned short* d = reinterpret_cast<unsigned short*>(ring + s * STAGE + SS) + 4 * wrow + 2 * wh;
+    d[0] = (unsigned short)sc[0];
+    d[1] = (unsigned short)sc[1];
+  };
+  const uint32_t c4 = 4u * (uint32_t)(lane % P::R);
+  auto decode = [&](int i) {  // group i (stage i % stages) into tile i % 2
+    const unsigned char* st = ring + (i % stages) * STAGE;
+    unsigned char* wt = wtile + (i & 1) * PG_TILE;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int b = 4 * wrow + 2 * wh + e, row = wrow, blk = 2 * wh + e;  // the blocks this thread copied
+      const uint32_t* w_s = reinterpret_cast<const uint32_t*>(st + SW) + b * K;
+      uint32_t w[K];
+      if constexpr (K == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(w_s);
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+      } else if constexpr (K == 2) {
+        const uint2 v = *reinterpret_cast<const uint2*>(w_s);
+        w[0] = v.x; w[1] = v.y;
       } else {
 #pragma unroll
-        for (int c = wh; c < 4 * K; c += 2) {
-          const bool valid = row_ok && w0 + c < row_words;
-          cp_async4(st + SW + (wrow * 4 * K + c) * 4, valid ? wp + w0 + c : packed, valid ? 4 : 0);
-        }
+        for (int j = 0; j < K; ++j) w[j] = w_s[j];
       }
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool v = row_ok && 4 * G + 2 * wh + e < nb;
-        sc[e] = !v ? 0u : fp16 ? (uint32_t)reinterpret_cast<const unsigned short*>(ap)[4 * G + e]
-                              : (uint32_t)ap[4 * G + e];
-      }
-    };
-    auto put_scales = [&](int s) {
-      unsigned short* d = reinterpret_cast<unsigned short*>(ring + s * STAGE + SS) + 4 * wrow + 2 * wh;
-      d[0] = (unsigned short)sc[0];
-      d[1] = (unsigned short)sc[1];
-    };
-    const uint32_t c4 = 4u * (uint32_t)(lane % P::R);
-    auto decode = [&](int i) {  // group i (stage i % stages) into tile i % 2
-      const unsigned char* st = ring + (i % stages) * STAGE;
-      unsigned char* wt = wtile + (i & 1) * PG_TILE;
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int b = dt + PG_DEC_THREADS * e, row = b >> 2, blk = b & 3;
-        const uint32_t* w_s = reinterpret_cast<const uint32_t*>(st + SW) + b * K;
-        uint32_t w[K];
-        if constexpr (K == 4) {
-          const uint4 v = *reinterpret_cast<const uint4*>(w_s);
-          w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-        } else if constexpr (K == 2) {
-          const uint2 v = *reinterpret_cast<const uint2*>(w_s);
-          w[0] = v.x; w[1] = v.y;
-        } else {
-#pragma unroll
-          for (int j = 0; j < K; ++j) w[j] = w_s[j];
-        }
-        uint32_t f[FW];
-        fold_block<K>(w, f);
-        const uint32_t d2 = scale_pair<T>(reinterpret_cast<const unsigned short*>(st + SS)[b], fp16);
-        pg_store_unit<T, K, 0>(wt, tb, row, blk, f, d2, c4);
-        pg_store_unit<T, K, 1>(wt, tb, row, blk, f, d2, c4);
-        pg_store_unit<T, K, 2>(wt, tb, row, blk, f, d2, c4);
-        pg_store_unit<T, K, 3>(wt, tb, row, blk, f, d2, c4);
-      }
-    };
-    auto wait_landed = [&]() {  // the oldest stages - 1 committed copy groups but the last stages - 2 have landed
-      if (stages == 3) cp_async_wait<1>();
-      else cp_async_wait<2>();
-    };
-    // Phase i (between the CTA barriers i and i + 1): the MMA warps multiply group i; the decode warps copy group
-    // i + stages - 1 into the stage of group i - 1 and decode group i + 1 into the tile of group i - 1, both freed by
-    // barrier i.
-    const int ahead = stages - 1;
-    for (int i = 0; i < ahead; ++i) {
-      if (i < n) {
-        copy_group(G0 + i, i);
-        put_scales(i);
-      }
-      cp_async_commit();
+      uint32_t f[FW];
+      fold_block<K>(w, f);
+      const uint32_t d2 = scale_pair<T>(reinterpret_cast<const unsigned short*>(st + SS)[b], fp16);
+      pg_store_unit<T, K, 0>(wt, tb, row, blk, f, d2, c4);
+      pg_store_unit<T, K, 1>(wt, tb, row, blk, f, d2, c4);
+      pg_store_unit<T, K, 2>(wt, tb, row, blk, f, d2, c4);
+      pg_store_unit<T, K, 3>(wt, tb, row, blk, f, d2, c4);
     }
-    wait_landed();
-    bar_group_unaligned(PG_BAR_DEC, PG_DEC_THREADS);  // every decode thread's copies of group 0 have landed
-    decode(0);
-    bar_group_unaligned(PG_BAR_ALL, PG_THREADS);
-    for (int i = 0; i < n; ++i) {
-      const int ic = i + ahead;
-      if (ic < n) copy_group(G0 + ic, ic % stages);
-      cp_async_commit();
-      wait_landed();
-      bar_group_unaligned(PG_BAR_DEC, PG_DEC_THREADS);  // group i + 1 has landed
-      if (i + 1 < n) decode(i + 1);
-      if (ic < n) put_scales(ic % stages);  // read by decode(ic), phases later
-      bar_group_unaligned(PG_BAR_ALL, PG_THREADS);
-    }
-    cp_async_wait<0>();
-    return;
-  }
-
+  };
+  auto wait_landed = [&]() {  // the oldest stages - 1 committed copy groups but the last stages - 2 have landed
+    if (stages == 3) cp_async_wait<1>();
+    else cp_async_wait<2>();
+  };
   // ---- MMA warps: 64 rows (warp & 1) x BN / 4 tokens (warp >> 1) ----
   float acc[4][NT][4];
 #pragma unroll
@@ -241,30 +221,58 @@ __global__ void __launch_bounds__(PG_THREADS, 1)
   // + (lane & 7), unit 2 kk + (lane / 8) % 2
   const int a_row = 64 * wr + (lane & 15), a_hi = lane >> 4;
   const int b_tok = (BN / 4) * wt + ((lane >> 4) << 3) + (lane & 7), b_hi = (lane >> 3) & 1;
-  bar_group_unaligned(PG_BAR_ALL, PG_THREADS);
-  for (int i = 0; i < n; ++i) {
-    const uint32_t wbase = wtile_s + (i & 1) * PG_TILE, xbase = ring_s + (i % stages) * STAGE + SX;
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-      uint32_t a[4][4], b[NT][2];
-#pragma unroll
-      for (int ti = 0; ti < 4; ++ti) {
-        const int r = a_row + 16 * ti;
-        ldmatrix_x4(wbase + r * 256 + pg_unit(2 * kk + a_hi, r) * 16, a[ti]);
+  // Phase i (between the CTA barriers i and i + 1): the MMA warps multiply group i; the decode warps copy group
+  // i + stages - 1 into the stage of group i - 1 and decode group i + 1 into the tile of group i - 1, both freed by
+  // barrier i. Both roles reach the one __syncthreads of each phase (the same instruction).
+  const int ahead = stages - 1;
+  if (decoder) {
+    for (int i = 0; i < ahead; ++i) {
+      if (i < n) {
+        copy_group(G0 + i, i);
+        put_scales(i);
       }
-#pragma unroll
-      for (int t = 0; t < NT; t += 2) {
-        const int r = b_tok + 8 * t;
-        uint32_t v[4];
-        ldmatrix_x4(xbase + r * 256 + pg_unit(2 * kk + b_hi, r) * 16, v);
-        b[t][0] = v[0]; b[t][1] = v[1]; b[t + 1][0] = v[2]; b[t + 1][1] = v[3];
-      }
-#pragma unroll
-      for (int ti = 0; ti < 4; ++ti)
-#pragma unroll
-        for (int t = 0; t < NT; ++t) Mma<T>::run(acc[ti][t], a[ti][0], a[ti][1], a[ti][2], a[ti][3], b[t][0], b[t][1]);
+      cp_async_commit();
     }
-    bar_group_unaligned(PG_BAR_ALL, PG_THREADS);  // group i multiplied: its tile and stage are free
+    wait_landed();  // this thread's copies of group 0 have landed
+    if (n > 0) decode(0);
+  }
+  __syncthreads();
+  for (int i = 0; i < n; ++i) {
+    if (decoder) {
+      const int ic = i + ahead;
+      if (ic < n) copy_group(G0 + ic, ic % stages);
+      cp_async_commit();
+      wait_landed();  // this thread's copies of group i + 1 have landed
+      if (i + 1 < n) decode(i + 1);
+      if (ic < n) put_scales(ic % stages);  // read by decode(ic), phases later
+    } else {
+      const uint32_t wbase = wtile_s + (i & 1) * PG_TILE, xbase = ring_s + (i % stages) * STAGE + SX;
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) {
+        uint32_t a[4][4], b[NT][2];
+#pragma unroll
+        for (int ti = 0; ti < 4; ++ti) {
+          const int r = a_row + 16 * ti;
+          ldmatrix_x4(wbase + r * 256 + pg_unit(2 * kk + a_hi, r) * 16, a[ti]);
+        }
+#pragma unroll
+        for (int t = 0; t < NT; t += 2) {
+          const int r = b_tok + 8 * t;
+          uint32_t v[4];
+          ldmatrix_x4(xbase + r * 256 + pg_unit(2 * kk + b_hi, r) * 16, v);
+          b[t][0] = v[0]; b[t][1] = v[1]; b[t + 1][0] = v[2]; b[t + 1][1] = v[3];
+        }
+#pragma unroll
+        for (int ti = 0; ti < 4; ++ti)
+#pragma unroll
+          for (int t = 0; t < NT; ++t) Mma<T>::run(acc[ti][t], a[ti][0], a[ti][1], a[ti][2], a[ti][3], b[t][0], b[t][1]);
+      }
+    }
+    __syncthreads();  // group i multiplied: its tile and stage are free
+  }
+  if (decoder) {
+    cp_async_wait<0>();
+    return;
   }
 
   // epilogue: acc[i][t] = (row 16 i + g, tokens 2 q, 2 q + 1), (row + 8, the same tokens)
@@ -346,10 +354,13 @@ int gemm_planes_launch(const T* x, int64_t M, const uint32_t* packed, const void
     if (ea != cudaSuccess) return (int)ea;
     allowed = smem;
   }
-  const bool words16 = ((int64_t)((in + 31) / 32) * K) % 4 == 0 && ((uintptr_t)packed & 15) == 0;
+  // the widest copy of a decode thread's 2 K words that every row's alignment allows
+  const int64_t row_words = (int64_t)((in + 31) / 32) * K;
+  const int wcopy = K % 2 == 0 && row_words % 4 == 0 && ((uintptr_t)packed & 15) == 0 ? 16
+                    : row_words % 2 == 0 && ((uintptr_t)packed & 7) == 0 ? 8 : 4;
   const dim3 grid((unsigned)((out + PG_ROWS - 1) / PG_ROWS), (unsigned)((M + sh.bn - 1) / sh.bn), (unsigned)sh.splits);
   kernel<<<grid, PG_THREADS, smem, st>>>(x, (int)M, packed, absmax, fp16 ? 1 : 0, scale, cb, bias, (int)out, (int)in,
-                                          sh.stages, words16, y, ws, sh.splits);
+                                          sh.stages, wcopy, y, ws, sh.splits);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || sh.splits == 1) return (int)e;
   gemm_reduce_kernel<T><<<grid_for_threads(M * out, 256, 8), 256, 0, st>>>(ws, sh.splits, M * out, out, scale, bias, y);

@@ -246,7 +246,7 @@ def run(args) -> int:
                 if planes is not None:
                     us = _time_graph([lambda c=c: planes(x, c[0], c[1], s0, cb, k, in_f, None, y) for c in copies],
                                      repeats)
-                    rows.append((f"K={k} planes" if held_tiled else f"kbit K={k}", us, kbytes + io_bytes,
+                    rows.append((f"K={k} planes" if held_tiled or gemm else f"kbit K={k}", us, kbytes + io_bytes,
                                  floor(kbytes)))
                 if k == 4 and M > 8:  # the fallback path: dequantize + cuBLAS
                     wbuf = torch.empty(out_f, in_f, device="cuda", dtype=torch.bfloat16)

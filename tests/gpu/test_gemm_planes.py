@@ -50,6 +50,28 @@ def test_gemm_planes(shape, dtype, M, k):
     assert torch.equal(_gemm(xb, p_, a_, s_, cb_, k, in_f, bb), y)  # deterministic, k split included
 
 
+@pytest.mark.parametrize("k", (2, 5))
+@pytest.mark.parametrize("M", (64, 65, 128, 129))
+def test_linear_runs_planes_gemm(k, M):
+    """kernels.linear (and the custom op) runs the bit-plane GEMM on long rows at 65..128 tokens: bitwise the kernel's
+    result there; outside the rule (64: the GEMV, 129: dequantize + cuBLAS) still the reference's."""
+    out_f, in_f = 144, 8200  # in % 32 == 8: a partial last block and group
+    cb = fmt.nf0_codebook(k)
+    p, a, s = _quantized((out_f, in_f), k, 13 + k)
+    g = torch.Generator().manual_seed(M + k)
+    x = torch.randn(M, in_f, generator=g).to(torch.bfloat16)
+    bias = torch.randn(out_f, generator=g).to(torch.bfloat16)
+    ref, mag = _ref_linear64(x, p, a, s, cb, k, in_f, bias)
+    xb, p_, a_, s_, cb_, bb = x.cuda(), p.cuda(), a.cuda(), s.cuda(), cb.cuda(), bias.cuda()
+    y = kernels.linear(xb, p_, a_, s_, cb_, k, in_f, bb)
+    _assert_linear_close(y, ref, mag, torch.bfloat16, rel_w=GEMV_REL_W[torch.bfloat16])
+    assert torch.equal(torch.ops.kbit.linear(xb, p_, a_, s_, cb_, k, in_f, bb), y)
+    uses = dispatch.linear_uses_planes_gemm(M, torch.bfloat16, in_f)
+    assert uses == (M in (65, 128))
+    if uses:
+        assert torch.equal(_gemm(xb, p_, a_, s_, cb_, k, in_f, bb), y)
+
+
 @pytest.mark.parametrize("k", (3, 4, 5))
 @pytest.mark.parametrize("launch", sorted(set(kernels.PLANES_GEMM_SHAPES) - {"auto"}))
 def test_gemm_planes_forced_shapes(launch, k):

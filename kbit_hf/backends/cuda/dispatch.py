@@ -5,7 +5,8 @@ batch size, shape and GPU is the library's choice: csrc/kbit_dispatch.h. docs/de
 |---|---|
 | `linear`: fused GEMV for 1 <= M <= GEMV_MAX_M rows of fp16/bf16 | the GEMV reads the packed weight once and is bound by those bytes |
 | `linear`, tiled weight, compute capability 9.0, GEMV_MAX_M < M <= GEMM_MAX_M rows of fp16/bf16 (GEMM_MAX_M_MID, GEMM_MAX_M_SMALL on smaller layers): the tiled tensor-core GEMM | decodes each weight tile once per 128-256 tokens in registers; no bf16 copy of the weight in memory; above those rows dequantize + cuBLAS is faster (numbers below) |
-| `linear`, anything else: dequantize + cuBLAS | the fallback (bit-plane weights, other GPUs, fp32 activations) |
+| `linear`, bit-plane weight of at least PLANES_GEMM_MIN_IN inputs (a multiple of 8), GEMV_MAX_M < M <= PLANES_GEMM_MAX_M rows of fp16/bf16, a GPU whose shared memory holds the kernel (sm_80, sm_90): the bit-plane tensor-core GEMM | decodes each 128-row tile once per 64-128 tokens into shared memory and multiplies it with mma.sync; faster than dequantize + cuBLAS only there (numbers below) |
+| `linear`, anything else: dequantize + cuBLAS | the fallback (other bit-plane shapes and GPUs, fp32 activations) |
 | `expert_linear`, fp16 / bf16, at least EXPERT_GEMM_MIN_ROWS rows per expert on average, in_features % 64 == 0, compute capability 9.0: the library's grouped expert GEMM (tensor cores, decoded in registers) | reads each expert tile once per 64-256 of its rows and feeds the tensor cores; faster than the GEMV from about 12 rows per expert and than dequantize + grouped_mm everywhere (numbers below) |
 | `expert_linear`, bf16, at least EXPERT_GROUPED_MM_MIN_ROWS rows per expert on average, compute capability >= 9.0 (where the GEMM does not run): every expert dequantized to bf16, then `torch._grouped_mm` | with that many rows per expert the tensor-core grouped GEMM outruns the GEMV-class kernel by more than the dequantization costs (numbers below) |
 | `expert_linear`, other fp16 / bf16: the library's expert kernel (per-row, or rows grouped by expert: its choice) | sorts the rows by expert on the device (no host sync, capturable) and reads each expert tile once per up to 64 of its rows |
@@ -97,11 +98,24 @@ def linear_uses_gemm(M: int, dtype: torch.dtype, out_features: int, in_features:
     return GEMV_MAX_M < M <= most and dtype in GEMV_DTYPES
 
 
-# The bit-plane GEMM (kernels.gemm_planes_out, mma.sync, compute capability 8.0+) is not yet a path of `linear`:
-# compute-sanitizer's synccheck and racecheck flagged its barriers (the aligned bar.sync reached by its two warp roles
-# from different instructions; it now uses the unaligned form, not yet run under the sanitizers), and on the H200 it
-# beat dequantize + cuBLAS only on long rows at 65-128 tokens (docs/design.md has its numbers). It needs 155-203 KB of
-# shared memory per CTA: sm_80 and sm_90, not sm_86 / sm_89 (99 KB).
+# The bit-plane GEMM (kernels.gemm_planes_out, mma.sync) runs for bit-plane weights of at least PLANES_GEMM_MIN_IN
+# inputs at GEMV_MAX_M < M <= PLANES_GEMM_MAX_M rows; elsewhere dequantize + cuBLAS is as fast or faster. Microseconds,
+# K = 4, H200 (bit-plane GEMM | dequantize + cuBLAS):
+#   4096x14336  M=65 67.6 | 78.3   M=128 67.4 | 79.9   M=256 123.5 | 88.9
+#   14336x4096  M=65 75.2 | 74.6   M=128 74.4 | 75.8   M=256 144.1 | 85.0
+#   4096x4096   M=65 26.3 | 23.8   M=128 26.8 | 26.4
+# Its decode is bound by the SMs' issue rate and dequantize + cuBLAS by memory bandwidth at these rows, so GPUs with
+# less bandwidth per SM (the A100) favour it more. It needs 155-203 KB of shared memory per CTA: sm_80 and sm_90, not
+# sm_86 / sm_89 (99 KB), which keep dequantize + cuBLAS.
+PLANES_GEMM_MAX_M, PLANES_GEMM_MIN_IN = 128, 8192
+
+
+def linear_uses_planes_gemm(M: int, dtype: torch.dtype, in_features: int) -> bool:
+    """For a bit-plane weight on a device where planes_gemm_runs_on."""
+    return (GEMV_MAX_M < M <= PLANES_GEMM_MAX_M and dtype in GEMV_DTYPES and in_features >= PLANES_GEMM_MIN_IN
+            and in_features % 8 == 0)
+
+
 _planes_gemm: dict[tuple[int, int], bool] = {}
 
 

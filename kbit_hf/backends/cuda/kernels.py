@@ -300,7 +300,8 @@ _KSET = frozenset(fmt.SUPPORTED_K)
 
 def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
     """y = x @ W^T + bias on CUDA: the fused GEMV where dispatch.linear_uses_gemv, the tiled GEMM where
-    dispatch.linear_uses_gemm, else dequantize + cuBLAS."""
+    dispatch.linear_uses_gemm (tiled weights), the bit-plane GEMM where dispatch.linear_uses_planes_gemm (bit-plane
+    weights), else dequantize + cuBLAS."""
     # Lean eager fast path: this is the per-token decode call, and each Python operation here is host time per layer
     # and token, so the common case (a contiguous x on a single GPU) takes the fewest.
     if library.lib is not None and x.is_cuda and k in _KSET and packed.dim() == 2:
@@ -337,12 +338,17 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
                 return y
     _need("linear", x, packed, absmax, scale, bias)
     M = x.numel() // in_features if in_features > 0 else 0
-    if (is_tiled(packed) and dispatch.linear_uses_gemm(M, x.dtype, packed.shape[0], in_features)
-            and x.shape[-1] == in_features
-            and (bias is None or bias.dtype == x.dtype) and dispatch.wgmma_runs_on(x.get_device())):
-        x2 = x.reshape(M, in_features)
-        y = x.new_empty((M, packed.shape[0]))
-        return gemm_out(x2, packed, absmax, scale, codebook, k, in_features, bias, y).reshape(*x.shape[:-1], -1)
+    if x.shape[-1] == in_features and (bias is None or bias.dtype == x.dtype):
+        if is_tiled(packed):
+            gemm = (gemm_out if dispatch.linear_uses_gemm(M, x.dtype, packed.shape[0], in_features)
+                    and dispatch.wgmma_runs_on(x.get_device()) else None)
+        else:
+            gemm = (gemm_planes_out if dispatch.linear_uses_planes_gemm(M, x.dtype, in_features)
+                    and dispatch.planes_gemm_runs_on(x.get_device(), k) else None)
+        if gemm is not None:
+            y = x.new_empty((M, packed.shape[0]))
+            return gemm(x.reshape(M, in_features), packed, absmax, scale, codebook, k, in_features, bias,
+                        y).reshape(*x.shape[:-1], -1)
     # Any other M (prefill) or dtype: dequantize on the GPU, then cuBLAS with fp32 accumulation. fp16/bf16
     # activations use a weight in their own dtype (the tensor-core path); fp32 activations a fp32 weight.
     wdtype = x.dtype if x.dtype in dispatch.GEMV_DTYPES else torch.float32
