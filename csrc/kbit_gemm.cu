@@ -9,8 +9,8 @@
 // - Two warp roles. 8 decode warps copy each group with cp.async into a ring of `stages` shared-memory stages,
 //   stages - 1 groups ahead (the group's activations, BN token rows of 256 bytes; its packed words, 128 rows x 4 K
 //   words as they lie in memory; its block scale codes, plain loads stored a phase later), then decode the group's
-//   weights into one of two bf16 / fp16 tiles of 128 rows x 128 k: decode thread t copies and decodes blocks 2 (t % 2)
-//   and 2 (t % 2) + 1 of row t / 2 (words and scale codes), folding the block's K planes into pair indices (fold_planes) and looking each element pair up in a
+//   weights into one of two bf16 / fp16 tiles of 128 rows x 128 k: decode thread t copies (words and scale code) and
+//   decodes blocks t and t + 256 of the group (row b / 4, block b % 4), folding the block's K planes into pair indices (fold_planes) and looking each element pair up in a
 //   pair table of (cb[even bits], cb[odd bits]) x PRE (R replicas, lane l reads replica l % R), one HMUL2 applying the
 //   block scale. 8 MMA warps of 64 rows (warp & 1) x BN / 4 tokens (warp >> 1) multiply the tile by the activations
 //   with ldmatrix.x4 fragments (tokens as the MMA's n, NT = BN / 32 tiles of 8 per warp).
@@ -119,16 +119,17 @@ __global__ void __launch_bounds__(PG_THREADS, 1)
   // ---- decode warps: the copies, then each group's weights into a tile (thread dt of 256) ----
   const int dt = tid - 32 * PG_MMA_WARPS;
   const int64_t row_words = (int64_t)nb * K;
-  // activations: unit xu of token rows xr + 16 c; packed words and scale codes: half wh of row wrow
+  // activations: unit xu of token rows xr + 16 c; packed words and scale codes: blocks b = dt + 256 e (e = 0, 1) of
+  // the group, rows drow + 64 e, block dblk, the blocks this thread decodes
   const int xr = dt >> 4, xu = dt & 15, xrows = min(BN / 16, max(0, (M - n0 - xr + 15) / 16));
   const T* xp = xrows > 0 ? x + (int64_t)(n0 + xr) * in + 8 * xu : x;
   const int64_t xstride = (int64_t)16 * in;
   const uint32_t xdst = SX + xr * 256 + pg_unit(xu, xr) * 16;  // + 4096 per 16 rows: the swizzle repeats
-  const int wrow = dt >> 1, wh = dt & 1;
-  const bool row_ok = r0 + wrow < out;
-  const uint32_t* wp = row_ok ? packed + (int64_t)(r0 + wrow) * row_words : packed;
+  const int drow = dt >> 2, dblk = dt & 3;
+  const bool ok0 = r0 + drow < out, ok1 = r0 + drow + 64 < out;
+  const uint32_t* wp = ok0 ? packed + (int64_t)(r0 + drow) * row_words : packed;  // row drow + 64: + 64 row_words
   const unsigned char* ap =
-      reinterpret_cast<const unsigned char*>(absmax) + (row_ok ? ((size_t)(r0 + wrow) * nb + 2 * wh) << fp16 : 0);
+      reinterpret_cast<const unsigned char*>(absmax) + (ok0 ? ((size_t)(r0 + drow) * nb) << fp16 : 0);
   uint32_t sc[2];
   auto copy_group = [&](int G, int s) {  // cp.async into stage s; scale codes into sc
     unsigned char* st = ring + s * STAGE;
@@ -138,42 +139,29 @@ __global__ void __launch_bounds__(PG_THREADS, 1)
       const bool v = kvalid && c < xrows;
       cp_async16(st + xdst + 4096 * c, v ? xp + c * xstride + 128 * G : x, v ? 16 : 0);
     }
-    // this thread's words: blocks 2 wh, 2 wh + 1 of row wrow, 2 K words from word w0 of the row, as wcopy-byte copies
-    const int64_t w0 = (int64_t)4 * G * K + 2 * wh * K;
-    unsigned char* wd = st + SW + (wrow * 4 + 2 * wh) * K * 4;
-    auto words_left = [&](int64_t w, int most) {
-      return row_ok ? (int)min(max(row_words - w, (int64_t)0), (int64_t)most) : 0;
-    };
-    if (wcopy == 16) {  // K even, the row's words 16-byte aligned
-#pragma unroll
-      for (int c = 0; c < K / 2; ++c) {
-        const int v = words_left(w0 + 4 * c, 4);
-        cp_async16(wd + 16 * c, v ? wp + w0 + 4 * c : packed, 4 * v);
-      }
-    } else if (wcopy == 8) {  // the row's words 8-byte aligned
-#pragma unroll
-      for (int c = 0; c < K; ++c) {
-        const int v = words_left(w0 + 2 * c, 2);
-        cp_async8(wd + 8 * c, v ? wp + w0 + 2 * c : packed, 4 * v);
-      }
-    } else {
-#pragma unroll
-      for (int c = 0; c < 2 * K; ++c) {
-        const int v = words_left(w0 + c, 1);
-        cp_async4(wd + 4 * c, v ? wp + w0 + c : packed, 4 * v);
-      }
-    }
+    // block (drow + 64 e, dblk): K words, one 16- (K = 4) or 8-byte (K = 2) copy where wcopy allows, else K of 4
+    const int bg = 4 * G + dblk;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const bool v = row_ok && 4 * G + 2 * wh + e < nb;
-      sc[e] = !v ? 0u : fp16 ? (uint32_t)reinterpret_cast<const unsigned short*>(ap)[4 * G + e]
-                            : (uint32_t)ap[4 * G + e];
+      const bool v = (e ? ok1 : ok0) && bg < nb;
+      const uint32_t* src = v ? wp + (int64_t)e * 64 * row_words + (int64_t)bg * K : packed;
+      unsigned char* dst = st + SW + (dt + PG_DEC_THREADS * e) * K * 4;
+      if (K == 4 && wcopy == 16) {
+        cp_async16(dst, src, v ? 16 : 0);
+      } else if (K == 2 && wcopy == 8) {
+        cp_async8(dst, src, v ? 8 : 0);
+      } else {
+#pragma unroll
+        for (int j = 0; j < K; ++j) cp_async4(dst + 4 * j, v ? src + j : packed, v ? 4 : 0);
+      }
+      const unsigned char* a = ap + ((((size_t)e * 64 * nb) + bg) << fp16);
+      sc[e] = !v ? 0u : fp16 ? (uint32_t)*reinterpret_cast<const unsigned short*>(a) : (uint32_t)*a;
     }
   };
   auto put_scales = [&](int s) {
-    unsigned short* d = reinterpret_cast<unsigned short*>(ring + s * STAGE + SS) + 4 * wrow + 2 * wh;
+    unsigned short* d = reinterpret_cast<unsigned short*>(ring + s * STAGE + SS) + dt;
     d[0] = (unsigned short)sc[0];
-    d[1] = (unsigned short)sc[1];
+    d[PG_DEC_THREADS] = (unsigned short)sc[1];
   };
   const uint32_t c4 = 4u * (uint32_t)(lane % P::R);
   auto decode = [&](int i) {  // group i (stage i % stages) into tile i % 2
@@ -181,7 +169,7 @@ __global__ void __launch_bounds__(PG_THREADS, 1)
     unsigned char* wt = wtile + (i & 1) * PG_TILE;
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int b = 4 * wrow + 2 * wh + e, row = wrow, blk = 2 * wh + e;  // the blocks this thread copied
+      const int b = dt + PG_DEC_THREADS * e, row = b >> 2, blk = b & 3;  // the blocks this thread copied
       const uint32_t* w_s = reinterpret_cast<const uint32_t*>(st + SW) + b * K;
       uint32_t w[K];
       if constexpr (K == 4) {
@@ -354,10 +342,8 @@ int gemm_planes_launch(const T* x, int64_t M, const uint32_t* packed, const void
     if (ea != cudaSuccess) return (int)ea;
     allowed = smem;
   }
-  // the widest copy of a decode thread's 2 K words that every row's alignment allows
-  const int64_t row_words = (int64_t)((in + 31) / 32) * K;
-  const int wcopy = K % 2 == 0 && row_words % 4 == 0 && ((uintptr_t)packed & 15) == 0 ? 16
-                    : row_words % 2 == 0 && ((uintptr_t)packed & 7) == 0 ? 8 : 4;
+  // the widest copy of a block's K words that every row's alignment allows (rows of nb K words)
+  const int wcopy = K == 4 && ((uintptr_t)packed & 15) == 0 ? 16 : K == 2 && ((uintptr_t)packed & 7) == 0 ? 8 : 4;
   const dim3 grid((unsigned)((out + PG_ROWS - 1) / PG_ROWS), (unsigned)((M + sh.bn - 1) / sh.bn), (unsigned)sh.splits);
   kernel<<<grid, PG_THREADS, smem, st>>>(x, (int)M, packed, absmax, fp16 ? 1 : 0, scale, cb, bias, (int)out, (int)in,
                                           sh.stages, wcopy, y, ws, sh.splits);

@@ -50,12 +50,12 @@ def test_gemm_planes(shape, dtype, M, k):
     assert torch.equal(_gemm(xb, p_, a_, s_, cb_, k, in_f, bb), y)  # deterministic, k split included
 
 
-@pytest.mark.parametrize("k", (2, 5))
+@pytest.mark.parametrize("k", (2, 4, 5))
 @pytest.mark.parametrize("M", (64, 65, 128, 129))
 def test_linear_runs_planes_gemm(k, M):
-    """kernels.linear (and the custom op) runs the bit-plane GEMM on long rows at 65..128 tokens: bitwise the kernel's
-    result there; outside the rule (64: the GEMV, 129: dequantize + cuBLAS) still the reference's."""
-    out_f, in_f = 144, 8200  # in % 32 == 8: a partial last block and group
+    """kernels.linear (and the custom op) runs the bit-plane GEMM on long rows at 65..128 tokens for K <= 4: bitwise
+    the kernel's result there; outside the rule (64: the GEMV, 129 or K = 5: dequantize + cuBLAS) the reference's."""
+    out_f, in_f = 144, 14344  # in % 32 == 8: a partial last block and group
     cb = fmt.nf0_codebook(k)
     p, a, s = _quantized((out_f, in_f), k, 13 + k)
     g = torch.Generator().manual_seed(M + k)
@@ -66,8 +66,8 @@ def test_linear_runs_planes_gemm(k, M):
     y = kernels.linear(xb, p_, a_, s_, cb_, k, in_f, bb)
     _assert_linear_close(y, ref, mag, torch.bfloat16, rel_w=GEMV_REL_W[torch.bfloat16])
     assert torch.equal(torch.ops.kbit.linear(xb, p_, a_, s_, cb_, k, in_f, bb), y)
-    uses = dispatch.linear_uses_planes_gemm(M, torch.bfloat16, in_f)
-    assert uses == (M in (65, 128))
+    uses = dispatch.linear_uses_planes_gemm(M, torch.bfloat16, in_f, k)
+    assert uses == (M in (65, 128) and k <= 4)
     if uses:
         assert torch.equal(_gemm(xb, p_, a_, s_, cb_, k, in_f, bb), y)
 

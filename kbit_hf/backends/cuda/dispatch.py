@@ -5,7 +5,7 @@ batch size, shape and GPU is the library's choice: csrc/kbit_dispatch.h. docs/de
 |---|---|
 | `linear`: fused GEMV for 1 <= M <= GEMV_MAX_M rows of fp16/bf16 | the GEMV reads the packed weight once and is bound by those bytes |
 | `linear`, tiled weight, compute capability 9.0, GEMV_MAX_M < M <= GEMM_MAX_M rows of fp16/bf16 (GEMM_MAX_M_MID, GEMM_MAX_M_SMALL on smaller layers): the tiled tensor-core GEMM | decodes each weight tile once per 128-256 tokens in registers; no bf16 copy of the weight in memory; above those rows dequantize + cuBLAS is faster (numbers below) |
-| `linear`, bit-plane weight of at least PLANES_GEMM_MIN_IN inputs (a multiple of 8), GEMV_MAX_M < M <= PLANES_GEMM_MAX_M rows of fp16/bf16, a GPU whose shared memory holds the kernel (sm_80, sm_90): the bit-plane tensor-core GEMM | decodes each 128-row tile once per 64-128 tokens into shared memory and multiplies it with mma.sync; faster than dequantize + cuBLAS only there (numbers below) |
+| `linear`, bit-plane weight of K <= PLANES_GEMM_MAX_K and at least PLANES_GEMM_MIN_IN inputs (a multiple of 8), GEMV_MAX_M < M <= PLANES_GEMM_MAX_M rows of fp16/bf16, a GPU whose shared memory holds the kernel (sm_80, sm_90): the bit-plane tensor-core GEMM | decodes each 128-row tile once per 64-128 tokens into shared memory and multiplies it with mma.sync; faster than dequantize + cuBLAS only there (numbers below) |
 | `linear`, anything else: dequantize + cuBLAS | the fallback (other bit-plane shapes and GPUs, fp32 activations) |
 | `expert_linear`, fp16 / bf16, at least EXPERT_GEMM_MIN_ROWS rows per expert on average, in_features % 64 == 0, compute capability 9.0: the library's grouped expert GEMM (tensor cores, decoded in registers) | reads each expert tile once per 64-256 of its rows and feeds the tensor cores; faster than the GEMV from about 12 rows per expert and than dequantize + grouped_mm everywhere (numbers below) |
 | `expert_linear`, bf16, at least EXPERT_GROUPED_MM_MIN_ROWS rows per expert on average, compute capability >= 9.0 (where the GEMM does not run): every expert dequantized to bf16, then `torch._grouped_mm` | with that many rows per expert the tensor-core grouped GEMM outruns the GEMV-class kernel by more than the dequantization costs (numbers below) |
@@ -98,22 +98,24 @@ def linear_uses_gemm(M: int, dtype: torch.dtype, out_features: int, in_features:
     return GEMV_MAX_M < M <= most and dtype in GEMV_DTYPES
 
 
-# The bit-plane GEMM (kernels.gemm_planes_out, mma.sync) runs for bit-plane weights of at least PLANES_GEMM_MIN_IN
-# inputs at GEMV_MAX_M < M <= PLANES_GEMM_MAX_M rows; elsewhere dequantize + cuBLAS is as fast or faster. Microseconds,
-# K = 4, H200 (bit-plane GEMM | dequantize + cuBLAS):
-#   4096x14336  M=65 67.6 | 78.3   M=128 67.4 | 79.9   M=256 123.5 | 88.9
-#   14336x4096  M=65 75.2 | 74.6   M=128 74.4 | 75.8   M=256 144.1 | 85.0
-#   4096x4096   M=65 26.3 | 23.8   M=128 26.8 | 26.4
+# The bit-plane GEMM (kernels.gemm_planes_out, mma.sync) runs for bit-plane weights of K <= PLANES_GEMM_MAX_K and at
+# least PLANES_GEMM_MIN_IN inputs at GEMV_MAX_M < M <= PLANES_GEMM_MAX_M rows; elsewhere dequantize + cuBLAS is as fast
+# or faster. Microseconds, H200, at M = 65 / 128 (bit-plane GEMM K = 2, 3, 4, 5 | dequantize + cuBLAS, K = 4):
+#   4096x14336   68.4 71.0 71.0 91.6 | 77.9     68.2 71.5 70.3 91.1 | 79.4
+#   8192x28672   251 261 255 335 | 287          248 258 249 334 | 284
+#   28672x8192   288 305 298 391 | 278          274 296 287 376 | 285
+#   rows of 4096 inputs (14336x4096, 6144x4096, 4096x4096) tie or lose at 65-128 rows, and from 256 rows dequantize +
+#   cuBLAS is 1.4-2.7x faster everywhere (docs/performance.md's H200 table, an earlier build within 5% at K = 4)
 # Its decode is bound by the SMs' issue rate and dequantize + cuBLAS by memory bandwidth at these rows, so GPUs with
-# less bandwidth per SM (the A100) favour it more. It needs 155-203 KB of shared memory per CTA: sm_80 and sm_90, not
-# sm_86 / sm_89 (99 KB), which keep dequantize + cuBLAS.
-PLANES_GEMM_MAX_M, PLANES_GEMM_MIN_IN = 128, 8192
+# less bandwidth per SM (the A100) should favour it more (not measured). It needs 155-203 KB of shared memory per CTA:
+# sm_80 and sm_90, not sm_86 / sm_89 (99 KB), which keep dequantize + cuBLAS.
+PLANES_GEMM_MAX_M, PLANES_GEMM_MIN_IN, PLANES_GEMM_MAX_K = 128, 14336, 4
 
 
-def linear_uses_planes_gemm(M: int, dtype: torch.dtype, in_features: int) -> bool:
+def linear_uses_planes_gemm(M: int, dtype: torch.dtype, in_features: int, k: int) -> bool:
     """For a bit-plane weight on a device where planes_gemm_runs_on."""
     return (GEMV_MAX_M < M <= PLANES_GEMM_MAX_M and dtype in GEMV_DTYPES and in_features >= PLANES_GEMM_MIN_IN
-            and in_features % 8 == 0)
+            and in_features % 8 == 0 and k <= PLANES_GEMM_MAX_K)
 
 
 _planes_gemm: dict[tuple[int, int], bool] = {}

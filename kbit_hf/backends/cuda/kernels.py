@@ -343,7 +343,7 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
             gemm = (gemm_out if dispatch.linear_uses_gemm(M, x.dtype, packed.shape[0], in_features)
                     and dispatch.wgmma_runs_on(x.get_device()) else None)
         else:
-            gemm = (gemm_planes_out if dispatch.linear_uses_planes_gemm(M, x.dtype, in_features)
+            gemm = (gemm_planes_out if dispatch.linear_uses_planes_gemm(M, x.dtype, in_features, k)
                     and dispatch.planes_gemm_runs_on(x.get_device(), k) else None)
         if gemm is not None:
             y = x.new_empty((M, packed.shape[0]))
