@@ -105,7 +105,7 @@ def linear_uses_gemm(M: int, dtype: torch.dtype, out_features: int, in_features:
 #   8192x28672   251 261 255 335 | 287          248 258 249 334 | 284
 #   28672x8192   288 305 298 391 | 278          274 296 287 376 | 285
 #   rows of 4096 inputs (14336x4096, 6144x4096, 4096x4096) tie or lose at 65-128 rows, and from 256 rows dequantize +
-#   cuBLAS is 1.4-2.7x faster everywhere (docs/performance.md's H200 table, an earlier build within 5% at K = 4)
+#   cuBLAS is 1.4-2.7x faster everywhere (docs/performance.md's H200 table: an earlier build of the kernel)
 # Its decode is bound by the SMs' issue rate and dequantize + cuBLAS by memory bandwidth at these rows, so GPUs with
 # less bandwidth per SM (the A100) should favour it more (not measured). It needs 155-203 KB of shared memory per CTA:
 # sm_80 and sm_90, not sm_86 / sm_89 (99 KB), which keep dequantize + cuBLAS.
