@@ -137,11 +137,10 @@ KBIT_API int kbit_expert_gemm(const void* x, int x_dtype, int64_t N, const int64
 
 /* Tensor-core GEMM over the bit planes for M > 64 tokens (mma.sync; GPUs with 155-203 KB of shared memory per block:
  * sm_80, sm_90): y [M, out] = x [M, in] W^T (+ bias), x/bias/y float16 or bfloat16, x 16-byte aligned, in a multiple
- * of 8, fp32 accumulation;
- * the planes and scales as kbit_gemv reads them (E == 1). Where the layer has too few CTAs to fill the GPU the library
- * splits the k range and needs a workspace of kbit_gemm_planes_workspace(M, out, in, k, 0) bytes (0: none; -1: bad
- * shape, or no launch shape fits the current device). cudaErrorNotSupported: the device's shared memory cannot hold the
- * kernel's stages. */
+ * of 8, fp32 accumulation; the planes and scales as kbit_gemv reads them (E == 1). Where the layer has too few CTAs to
+ * fill the GPU the library splits the k range and needs a workspace of kbit_gemm_planes_workspace(M, out, in, k, 0)
+ * bytes (0: none; -1: bad shape, or no launch shape fits the current device). cudaErrorNotSupported: the device's
+ * shared memory cannot hold the kernel's stages. */
 KBIT_API int64_t kbit_gemm_planes_workspace(int64_t M, int64_t out, int64_t in, int k, int bn);
 KBIT_API int kbit_gemm_planes(const void* x, int x_dtype, int64_t M, const uint32_t* packed, const void* absmax,
                               int absmax_fp16, const float* scale, const float* codebook, int k, int64_t out,

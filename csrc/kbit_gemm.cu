@@ -7,20 +7,21 @@
 //   (blockIdx.z of `splits`; splits > 1 leave fp32 partial sums in a workspace, summed by gemm_reduce_kernel). The k
 //   range runs in groups of 128 (4 blocks).
 // - Two warp roles. 8 decode warps copy each group with cp.async into a ring of `stages` shared-memory stages,
-//   stages - 1 groups ahead (the group's activations, BN token rows of 256 bytes; its packed words, 128 rows x 4 K
-//   words as they lie in memory; its block scale codes, plain loads stored a phase later), then decode the group's
-//   weights into one of two bf16 / fp16 tiles of 128 rows x 128 k: decode thread t copies (words and scale code) and
-//   decodes blocks t and t + 256 of the group (row b / 4, block b % 4), folding the block's K planes into pair indices (fold_planes) and looking each element pair up in a
-//   pair table of (cb[even bits], cb[odd bits]) x PRE (R replicas, lane l reads replica l % R), one HMUL2 applying the
-//   block scale. 8 MMA warps of 64 rows (warp & 1) x BN / 4 tokens (warp >> 1) multiply the tile by the activations
-//   with ldmatrix.x4 fragments (tokens as the MMA's n, NT = BN / 32 tiles of 8 per warp).
+//   stages - 1 groups ahead (the group's activations, BN token rows of 256 bytes; its packed words, 128 rows x 4 K words as they
+//   lie in memory; its block scale codes, plain loads stored a phase later), then decode the group's weights into one
+//   of two bf16 / fp16 tiles of 128 rows x 128 k: decode thread t copies (words and scale code) and decodes blocks t
+//   and t + 256 of the group (row b / 4, block b % 4), folding the block's K planes into pair indices (fold_block) and
+//   looking each element pair up in a pair table of (cb[even bits], cb[odd bits]) x PRE (R replicas, lane l reads
+//   replica l % R), one HMUL2 applying the block scale. 8 MMA warps of 64 rows (warp & 1) x BN / 4 tokens (warp >> 1)
+//   multiply the tile by the activations with ldmatrix.x4 fragments (tokens as the MMA's n, NT = BN / 32 tiles of 8 per
+//   warp).
 // - Phase i, between CTA barriers i and i + 1: the MMA warps multiply group i while the decode warps copy group
-//   i + stages - 1 and decode group i + 1, into the stage and tile that group i - 1 freed at barrier i. A decode
-//   thread reads only the words and scale codes it copied itself, so its own cp.async wait orders them; the CTA
-//   barrier (__syncthreads, which the two roles reach at the same instruction, each phase's work in a warp-uniform
-//   branch) publishes the activations and the decoded tile to the MMA warps.
-// - Rows past M or out, k past in and blocks past nb are zeros. Both tiles store 16-byte unit u of row r at u ^ (r & 7):
-//   the eight rows of each ldmatrix read distinct bank groups.
+//   i + stages - 1 and decode group i + 1, into the stage and tile that group i - 1 freed at barrier i. A decode thread
+//   reads only the words and scale codes it copied itself, so its own cp.async wait orders them; the CTA barrier
+//   (__syncthreads, which the two roles reach at the same instruction, each phase's work in a warp-uniform branch)
+//   publishes the activations and the decoded tile to the MMA warps.
+// - Rows past M or out, k past in and blocks past nb are zeros. Both tiles store 16-byte unit u of row r at
+//   u ^ (r & 7): the eight rows of each ldmatrix read distinct bank groups.
 // - Epilogue: the sums times the tensor scale and POST (+ bias), rounded to the activation dtype; neighbouring lanes
 //   swap one value so that each stores two adjacent outputs of one token.
 // - Numerics are the GEMV's: weights cb x d rounded to the activation dtype (PRE / POST for fp16), fp32 sums.
@@ -36,7 +37,7 @@ namespace {
 
 constexpr int PG_MMA_WARPS = 8, PG_DEC_WARPS = 8, PG_THREADS = 32 * (PG_MMA_WARPS + PG_DEC_WARPS), PG_ROWS = 128;
 constexpr int PG_DEC_THREADS = 32 * PG_DEC_WARPS;
-static_assert(PG_DEC_THREADS == 2 * PG_ROWS, "a decode thread per half row");
+static_assert(PG_DEC_THREADS * 2 == PG_ROWS * 4, "two blocks of each group per decode thread");
 constexpr int PG_TILE = PG_ROWS * 256;  // one decoded weight tile: 128 rows x 128 k x 2 bytes
 
 // pair table: 2^(2K) entries of R replicas (lane l reads replica l % R: conflict-free for R = 32)
@@ -209,9 +210,7 @@ __global__ void __launch_bounds__(PG_THREADS, 1)
   // + (lane & 7), unit 2 kk + (lane / 8) % 2
   const int a_row = 64 * wr + (lane & 15), a_hi = lane >> 4;
   const int b_tok = (BN / 4) * wt + ((lane >> 4) << 3) + (lane & 7), b_hi = (lane >> 3) & 1;
-  // Phase i (between the CTA barriers i and i + 1): the MMA warps multiply group i; the decode warps copy group
-  // i + stages - 1 into the stage of group i - 1 and decode group i + 1 into the tile of group i - 1, both freed by
-  // barrier i. Both roles reach the one __syncthreads of each phase (the same instruction).
+  // the phases of the file's header comment: one __syncthreads each, reached by both roles
   const int ahead = stages - 1;
   if (decoder) {
     for (int i = 0; i < ahead; ++i) {

@@ -4,9 +4,9 @@
     PYTHONPATH=. compute-sanitizer --tool racecheck --error-exitcode 1 python tools/sanitize_driver.py --sync
 
 Bit planes (K = 2..5, both block-scale formats): quantize, dequantize, the fused GEMV (M <= 8, the token tiles up to
-M = 64, the folded 8-row tiles), dequantize + cuBLAS (M = 65), the bit-plane GEMM (M = 70, every launch shape), the per-row expert GEMV, the grouped expert path,
-(on sm_90) the grouped expert GEMM, the fused experts block (both gatings, with and without biases) and the router
-selection kernel.
+M = 64, the folded 8-row tiles), dequantize + cuBLAS (M = 65), the bit-plane GEMM (M = 70, every launch shape), the
+per-row expert GEMV, the grouped expert path, (on sm_90) the grouped expert GEMM, the fused experts block (both
+gatings, with and without biases) and the router selection kernel.
 Tiled layout (K = 2..5, e4m4): tile, untile, dequantize, and on sm_90 the tiled GEMV and GEMM, the library's choice
 through kernels.linear and every GEMV variant of kernels.TILED_KERNELS forced through kernels.linear_out. Prints the calls per
 family; the sanitizer's exit code says whether any of them misbehaved. Arguments narrow the run (--help). Under

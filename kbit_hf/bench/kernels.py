@@ -170,8 +170,8 @@ def run(args) -> int:
     hdr = (f"{'shape':>12} {'M':>4} {'kernel':>14} {'us':>8} {'% copy':>7} {'vs bf16':>8} {'vs tinygemm':>11}"
            f" {'of floor':>8}")
     print(f"\ny[M, out] = x[M, in] @ W^T (bf16 activations): the fused GEMV to M = {dispatch.GEMV_MAX_M}, the tiled "
-          "or bit-plane GEMM above; % copy = bytes moved / time / copy bandwidth; floor = max(weight bytes / copy bandwidth, "
-          f"2 M out in / bf16 rate {tc_rate / 1e12:.0f} TFLOP/s)")
+          "or bit-plane GEMM above; % copy = bytes moved / time / copy bandwidth; floor = max(weight bytes / copy "
+          f"bandwidth, 2 M out in / bf16 rate {tc_rate / 1e12:.0f} TFLOP/s)")
     if not have_bnb:
         print("(bitsandbytes not importable: NF4 column skipped)")
     print(hdr)

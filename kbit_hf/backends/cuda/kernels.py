@@ -258,10 +258,10 @@ PLANES_GEMM_SHAPES = {"auto": (0, 0), **{f"bn{bn}s{st}": (bn, st) for bn in (64,
 
 
 def gemm_planes_out(x, packed, absmax, scale, codebook, k, in_features, bias, out, shape: str = "auto"):
-    """Tensor-core GEMM over bit-plane weights into `out` [M, out_features] (mma.sync, compute capability 8.0+): x
-    [M, in] fp16/bf16 with in % 8 == 0, bias None or x's dtype. Where the layer splits its k range, a workspace is
-    allocated (from torch's caching allocator: CUDA-graph safe). `shape` (a PLANES_GEMM_SHAPES name) forces the
-    tokens per CTA and the stages (tests, benchmarks)."""
+    """Tensor-core GEMM over bit-plane weights into `out` [M, out_features] (mma.sync; GPUs whose shared memory holds
+    it, dispatch.planes_gemm_runs_on: sm_80, sm_90): x [M, in] fp16/bf16 with in % 8 == 0, bias None or x's dtype.
+    Where the layer splits its k range, a workspace is allocated (from torch's caching allocator: CUDA-graph safe).
+    `shape` (a PLANES_GEMM_SHAPES name) forces the tokens per CTA and the stages (tests, benchmarks)."""
     _need("gemm_planes_out", x, packed, absmax, scale, bias, out)
     _check_shapes(packed, absmax, scale, k, in_features)
     dev = x.device
