@@ -9,6 +9,7 @@ casts the incoming checkpoint tensor to it and hands it to `quantize_param`, whi
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -91,9 +92,14 @@ class KbitLinear(nn.Linear):
 
     # transformers' tensor-parallel hooks hand this module plain local tensors (its parameters and activations)
     _hf_quantized_needs_local_tp = True
-    # the sibling group whose fused weight this layer's rows are a view of (fuse_siblings), and its place there
+    # the sibling group whose fused weight this layer's rows are a view of (fuse_siblings), its place there, the
+    # group's number (the parts it hangs on an input carry it), this layer's scale ratio to the group's and the bias
+    # the group adds for it
     _siblings: KbitSiblings | None = None
     _sibling_index = 0
+    _sibling_serial: int | None = None
+    _sibling_ratio = 1.0
+    _sibling_bias: torch.Tensor | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool, k: int, absmax_format: str,
                  codebook: torch.Tensor, *, pre_quantized: bool, dtype=None, device=None):
@@ -207,13 +213,36 @@ class KbitLinear(nn.Linear):
         self.use_device_layout_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        siblings = self._siblings
-        if siblings is not None and siblings.serves(self, x):
-            y = siblings.part(self, x)
-            ratio = siblings.ratios[self._sibling_index]
-            return y * ratio if ratio != 1.0 else y
-        return ops.linear_forward(x, self.weight, self.weight_absmax, self.weight_scale, self.weight_codebook,
-                                  self.k, self.local_in_features, self.bias)
+        y = self._pending_part(x)
+        if y is None:
+            siblings = self._siblings
+            if siblings is None or self.bias is not self._sibling_bias or not siblings.serves(self, x):
+                return ops.linear_forward(x, self.weight, self.weight_absmax, self.weight_scale,
+                                          self.weight_codebook, self.k, self.local_in_features, self.bias)
+            y = siblings.fused_part(self, x)
+        ratio = self._sibling_ratio
+        return y * ratio if ratio != 1.0 else y
+
+    def _pending_part(self, x: torch.Tensor) -> torch.Tensor | None:
+        """This layer's part of the fused product of x that a sibling computed (KbitSiblings), if x still holds it.
+        Compiled, it reads nothing of the group: reaching the group object from a second member would add a guard
+        evaluated in Python (an identity check between the two paths) to every call of the compiled model."""
+        held = getattr(x, "_kbit_sibling_parts", None)
+        if (held is None or self._sibling_serial is None or held[0] != self._sibling_serial
+                or self.bias is not self._sibling_bias):  # a bias set since fusing: this layer runs alone
+            return None
+        parts, i = held[2], self._sibling_index
+        if parts[i] is None:
+            return None
+        if not torch.compiler.is_compiling():  # eager: x unmodified and no weight rewritten since the fused call
+            siblings = self._siblings
+            if siblings is None or held[1] != siblings.key(x):
+                return None
+        y = parts[i]
+        parts[i] = None
+        if all(p is None for p in parts):  # every part handed out: x holds no outputs
+            x._kbit_sibling_parts = None
+        return y
 
     def to_linear(self, dtype: torch.dtype) -> nn.Linear:
         layer = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta", dtype=dtype)
@@ -239,6 +268,9 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 # small layers such as a GQA model's k_proj / v_proj run far from their bytes on their own.
 SIBLING_SETS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"),
                 ("q_proj", "kv_a_proj_with_mqa"))
+
+
+_group_serials = itertools.count()  # KbitSiblings numbers
 
 
 def _exporting() -> bool:
@@ -273,6 +305,7 @@ class KbitSiblings(nn.Module):
         super().__init__()
         first = members[0]
         self.members, self.names = tuple(members), names
+        self.serial = next(_group_serials)
         self.packed, self.absmax = _frozen(fused[0]), _frozen(fused[1])
         self.k, self.in_features = first.k, first.local_in_features
         bounds, row = [], 0
@@ -289,8 +322,13 @@ class KbitSiblings(nn.Module):
         self.ratios = tuple(float(m.weight_scale) / float(first.weight_scale) for m in self.members)
         self.same_scale = all(r == 1.0 for r in self.ratios)
         self.scale, self.codebook = first.weight_scale, first.weight_codebook
-        # each member's tensors as it held them when fused (its views, its scale)
-        self.held = tuple((m.weight, m.weight_absmax, m.weight_scale) for m in self.members)
+        # each member's tensors as it held them when fused (its views, its scale) and its bias: the fused call reads
+        # the biases from here, so that a compiled call reaches each member only by its own path
+        self.held = tuple((m.weight, m.weight_absmax, m.weight_scale, m.bias) for m in self.members)
+        self.biases = tuple(m.bias for m in self.members)
+        for i, (m, ratio) in enumerate(zip(self.members, self.ratios)):
+            m._sibling_index, m._sibling_serial, m._sibling_ratio = i, self.serial, ratio
+            m.__dict__["_sibling_bias"] = m.bias  # not registered as a parameter a second time
 
     def __deepcopy__(self, memo):
         return None  # a copy's members hold copies of their rows, no longer views of one weight: they run alone
@@ -316,45 +354,39 @@ class KbitSiblings(nn.Module):
         if torch.compiler.is_compiling():
             return True
         return member is self.members[member._sibling_index] and all(
-            m.weight is w and m.weight_absmax is a and m.weight_scale is s
-            for m, (w, a, s) in zip(self.members, self.held))
+            m.weight is w and m.weight_absmax is a and m.weight_scale is s and m.bias is b
+            for m, (w, a, s, b) in zip(self.members, self.held))
 
     def _bias(self) -> torch.Tensor | None:
         """The fused call's bias: each member's over its ratio (exact for a power of two; the kernel adds it in fp32
         before rounding, as for the member alone, and the part times its ratio is the member's output)."""
-        like = next((m.bias for m in self.members if m.bias is not None), None)
+        like = next((b for b in self.biases if b is not None), None)
         if like is None:
             return None
-        return torch.cat([(m.bias if r == 1.0 else m.bias / r) if m.bias is not None
-                          else like.new_zeros(m.local_out_features) for m, r in zip(self.members, self.ratios)])
+        return torch.cat([(b if r == 1.0 else b / r) if b is not None else like.new_zeros(hi - lo)
+                          for b, r, (lo, hi) in zip(self.biases, self.ratios, self.bounds)])
 
-    def part(self, member: KbitLinear, x: torch.Tensor) -> torch.Tensor:
-        """Member i's rows of the fused product of x (its bias over its ratio included), not yet times its ratio."""
-        i = member._sibling_index
-        # the parts of the last fused call on x, valid while x is unmodified (its version, read in eager mode; an
-        # inference tensor has none) and no member's weight was rewritten since
+    def key(self, x: torch.Tensor) -> tuple:
+        """What a fused call's parts of x are valid for: this group's weights (generation) and, in eager mode, x's
+        version (an inference tensor has none)."""
         unversioned = torch.compiler.is_compiling() or x.is_inference()
-        key = (self.generation, None if unversioned else x._version)
-        held = getattr(x, "_kbit_sibling_parts", None)
-        if held is not None and held[0] is self and held[1] == key and held[2][i] is not None:
-            parts = held[2]
-            y = parts[i]
-            parts[i] = None
-            if all(p is None for p in parts):  # every part handed out: x holds no outputs
-                x._kbit_sibling_parts = None
-            return y
+        return self.generation, None if unversioned else x._version
+
+    def fused_part(self, member: KbitLinear, x: torch.Tensor) -> torch.Tensor:
+        """Compute every member's rows of the product of x (biases over their ratios included) in one call, hang the
+        others' parts on x (KbitLinear._pending_part hands them out) and return member's, not yet times its ratio."""
         y = ops.linear_forward(x, self.packed, self.absmax, self.scale, self.codebook, self.k, self.in_features,
                                self._bias())
         parts = [y[..., a:b] for a, b in self.bounds]
-        mine = parts[i]
-        parts[i] = None
-        x._kbit_sibling_parts = (self, key, parts)
+        mine = parts[member._sibling_index]
+        parts[member._sibling_index] = None
+        x._kbit_sibling_parts = (self.serial, self.key(x), parts)
         return mine
 
     def split(self) -> None:
         """Give every member its own tensors again (in the layout its own shape gets) and dissolve the group."""
         for m in self.members:
-            m._siblings = None
+            m._siblings = m._sibling_serial = m.__dict__["_sibling_bias"] = None
             planes = ops.bit_planes(m.weight, m.weight_absmax, m.local_in_features, m.k)
             m.weight, m.weight_absmax = _frozen(planes[0].clone()), _frozen(planes[1].clone())
             m.use_device_layout_()
@@ -405,9 +437,8 @@ def fuse_siblings(model: nn.Module, skip=()) -> int:
                 row += p.shape[0]
             if views is None:
                 continue
-            for i, (m, (p, a)) in enumerate(zip(members, views)):
+            for m, (p, a) in zip(members, views):
                 m.weight, m.weight_absmax = _frozen(p), _frozen(a)
-                m._sibling_index = i
             group = KbitSiblings(members, names, (packed, absmax))
             for m in members:
                 m.__dict__["_siblings"] = group  # not a child module: state_dict and .to() leave it alone

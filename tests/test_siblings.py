@@ -330,6 +330,42 @@ def test_fused_model_compiles_to_one_call_per_group_without_graph_breaks(llama_f
     assert calls == [4 * len(model.model.layers)]
 
 
+def test_compiled_members_reach_their_group_by_one_path(llama_folder):
+    # a member that reached the group object by a second path would make TorchDynamo check the two paths' identity
+    # in Python (a LAMBDA_GUARD) at every call of the compiled model
+    import logging
+
+    model = _load(llama_folder, torch.float32)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.extend(record.getMessage().splitlines())
+    logger = logging.getLogger("torch._dynamo.guards.__guards")
+    torch._dynamo.reset()
+    torch._logging.set_logs(guards=True)
+    logger.addHandler(handler)
+    try:
+        with torch.no_grad():
+            torch.compile(model, fullgraph=True, backend="eager")(torch.randint(0, 300, (1, 5)))
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+    assert any("TENSOR_MATCH" in line for line in lines)  # the guards were captured
+    assert not [line for line in lines if "LAMBDA_GUARD" in line and "_siblings" in line]
+
+
+def test_a_bias_set_after_compiling_is_the_one_added(llama_folder):
+    attn = _load(llama_folder, torch.float32).model.layers[0].self_attn
+    members = (attn.q_proj, attn.k_proj, attn.v_proj)
+    x = torch.randn(3, attn.q_proj.in_features)
+    torch._dynamo.reset()
+    qkv = torch.compile(lambda t: [m(t) for m in members], fullgraph=True, backend="eager")
+    with torch.no_grad():
+        qkv(x)
+        attn.k_proj.bias = torch.nn.Parameter(torch.randn(attn.k_proj.out_features))
+        for m, y in zip(members, qkv(x)):
+            torch.testing.assert_close(y, _alone(m, x), rtol=1e-4, atol=1e-4)
+
+
 def test_parts_wait_on_their_input_until_every_member_took_its_own(llama_folder):
     attn = _load(llama_folder, torch.float32).model.layers[0].self_attn
     x = torch.randn(3, attn.q_proj.in_features)
@@ -337,8 +373,8 @@ def test_parts_wait_on_their_input_until_every_member_took_its_own(llama_folder)
     with torch.no_grad():
         q = attn.q_proj(x)
         assert attn.k_proj(x.clone()).shape == alone[1].shape  # another tensor: k_proj computes anew
-        group, _, parts = x._kbit_sibling_parts
-        assert group is attn.q_proj._siblings and parts[0] is None and parts[1] is not None
+        serial, _, parts = x._kbit_sibling_parts
+        assert serial == attn.q_proj._siblings.serial and parts[0] is None and parts[1] is not None
         k, v = attn.k_proj(x), attn.v_proj(x)
     assert x._kbit_sibling_parts is None  # every part handed out: x holds no outputs
     for y, ref in zip((q, k, v), alone):
