@@ -114,7 +114,9 @@ def test_static_cache_generate_compiles_into_cuda_graphs_and_matches_eager(famil
         if not close:
             bad.append(b)
     assert len(bad) <= 0.02 * batch, f"sequences differing beyond tolerance: {bad[:20]}"
-    assert (tok_e == tok_c).float().mean() > 0.95
+    # a sequence that took the other side of a near tie goes on differently to its end, so count sequences, not tokens
+    same = (tok_e == tok_c).all(dim=1).float().mean().item()
+    assert same > 0.8, f"only {same:.1%} of the sequences decoded identically"
 
 
 def test_loads_onto_the_gpu_check_the_kbit_values(tmp_path):
