@@ -93,13 +93,13 @@ class KbitLinear(nn.Linear):
     # transformers' tensor-parallel hooks hand this module plain local tensors (its parameters and activations)
     _hf_quantized_needs_local_tp = True
     # the sibling group whose fused weight this layer's rows are a view of (fuse_siblings), its place there, the
-    # group's number (the parts it hangs on an input carry it), this layer's scale ratio to the group's and the bias
-    # the group adds for it
+    # group's number (the parts it hangs on an input carry it), this layer's scale ratio to the group's and whether
+    # the group adds a bias for it
     _siblings: KbitSiblings | None = None
     _sibling_index = 0
     _sibling_serial: int | None = None
     _sibling_ratio = 1.0
-    _sibling_bias: torch.Tensor | None = None
+    _sibling_biased = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, k: int, absmax_format: str,
                  codebook: torch.Tensor, *, pre_quantized: bool, dtype=None, device=None):
@@ -216,20 +216,25 @@ class KbitLinear(nn.Linear):
         y = self._pending_part(x)
         if y is None:
             siblings = self._siblings
-            if siblings is None or self.bias is not self._sibling_bias or not siblings.serves(self, x):
+            if siblings is None or self._bias_since_fusing() or not siblings.serves(self, x):
                 return ops.linear_forward(x, self.weight, self.weight_absmax, self.weight_scale,
                                           self.weight_codebook, self.k, self.local_in_features, self.bias)
             y = siblings.fused_part(self, x)
         ratio = self._sibling_ratio
         return y * ratio if ratio != 1.0 else y
 
+    def _bias_since_fusing(self) -> bool:
+        """A bias set on a member fused without one: the member runs alone. (A member fused with a bias does not
+        read it here: reaching the tensor the group adds by a second path would add a Python identity guard; eager,
+        KbitSiblings.serves checks every member's bias.)"""
+        return not self._sibling_biased and self.bias is not None
+
     def _pending_part(self, x: torch.Tensor) -> torch.Tensor | None:
         """This layer's part of the fused product of x that a sibling computed (KbitSiblings), if x still holds it.
         Compiled, it reads nothing of the group: reaching the group object from a second member would add a guard
         evaluated in Python (an identity check between the two paths) to every call of the compiled model."""
         held = getattr(x, "_kbit_sibling_parts", None)
-        if (held is None or self._sibling_serial is None or held[0] != self._sibling_serial
-                or self.bias is not self._sibling_bias):  # a bias set since fusing: this layer runs alone
+        if held is None or self._sibling_serial is None or held[0] != self._sibling_serial or self._bias_since_fusing():
             return None
         parts, i = held[2], self._sibling_index
         if parts[i] is None:
@@ -328,7 +333,7 @@ class KbitSiblings(nn.Module):
         self.biases = tuple(m.bias for m in self.members)
         for i, (m, ratio) in enumerate(zip(self.members, self.ratios)):
             m._sibling_index, m._sibling_serial, m._sibling_ratio = i, self.serial, ratio
-            m.__dict__["_sibling_bias"] = m.bias  # not registered as a parameter a second time
+            m._sibling_biased = m.bias is not None
 
     def __deepcopy__(self, memo):
         return None  # a copy's members hold copies of their rows, no longer views of one weight: they run alone
@@ -386,7 +391,7 @@ class KbitSiblings(nn.Module):
     def split(self) -> None:
         """Give every member its own tensors again (in the layout its own shape gets) and dissolve the group."""
         for m in self.members:
-            m._siblings = m._sibling_serial = m.__dict__["_sibling_bias"] = None
+            m._siblings, m._sibling_serial, m._sibling_biased = None, None, False
             planes = ops.bit_planes(m.weight, m.weight_absmax, m.local_in_features, m.k)
             m.weight, m.weight_absmax = _frozen(planes[0].clone()), _frozen(planes[1].clone())
             m.use_device_layout_()
@@ -565,6 +570,9 @@ class KbitMoE(nn.Module):
     def __init__(self, orig: nn.Module, k: int, absmax_format: str, codebook: torch.Tensor, *, pre_quantized: bool):
         super().__init__()
         self._orig_cls = type(orig)
+        # the experts class's own gating (gpt-oss's) or None: held as the function, since the class object reached
+        # from every layer of a compiled forward adds a Python identity guard per layer
+        self._own_gate = getattr(self._orig_cls, "_apply_gate", None)
         self.k, self.absmax_format = k, absmax_format
         self._codebook_init = codebook
         # Copy the original's own attributes (config, num_experts, act_fn, alpha, limit, decorator flags...),
@@ -619,9 +627,8 @@ class KbitMoE(nn.Module):
         return _quantize(name, weight_oi, self._codebook_init, self.k, self.absmax_format)
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate_fn = getattr(self._orig_cls, "_apply_gate", None)
-        if gate_fn is not None:
-            return gate_fn(self, gate_up)
+        if self._own_gate is not None:
+            return self._own_gate(self, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate) * up
 

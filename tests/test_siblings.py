@@ -330,12 +330,14 @@ def test_fused_model_compiles_to_one_call_per_group_without_graph_breaks(llama_f
     assert calls == [4 * len(model.model.layers)]
 
 
-def test_compiled_members_reach_their_group_by_one_path(llama_folder):
-    # a member that reached the group object by a second path would make TorchDynamo check the two paths' identity
-    # in Python (a LAMBDA_GUARD) at every call of the compiled model
+@pytest.mark.parametrize("family", ["llama", "gpt_oss", "qwen3_moe"])  # groups with and without biases, experts
+def test_compiled_kbit_modules_reach_each_object_by_one_path(tmp_path_factory, family):
+    # an object reached by two paths in the compiled forward (a member's group through another member, a bias
+    # through the group and its member, the experts' class through every layer) makes TorchDynamo check the two
+    # paths' identity in Python (a LAMBDA_GUARD) at every call of the compiled model
     import logging
 
-    model = _load(llama_folder, torch.float32)
+    model = _load(_folder(tmp_path_factory, family), torch.float32)
     lines = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.extend(record.getMessage().splitlines())
@@ -350,7 +352,8 @@ def test_compiled_members_reach_their_group_by_one_path(llama_folder):
         logger.removeHandler(handler)
         torch._logging.set_logs()
     assert any("TENSOR_MATCH" in line for line in lines)  # the guards were captured
-    assert not [line for line in lines if "LAMBDA_GUARD" in line and "_siblings" in line]
+    kbit_paths = ("_sibling", "_orig_cls")
+    assert not [line for line in lines if "LAMBDA_GUARD" in line and any(p in line for p in kbit_paths)]
 
 
 def test_a_bias_set_after_compiling_is_the_one_added(llama_folder):
