@@ -7,8 +7,8 @@
 //   (blockIdx.z of `splits`; splits > 1 leave fp32 partial sums in a workspace, summed by gemm_reduce_kernel). The k
 //   range runs in groups of 128 (4 blocks).
 // - Two warp roles. 8 decode warps copy each group with cp.async into a ring of `stages` shared-memory stages,
-//   stages - 1 groups ahead (the group's activations, BN token rows of 256 bytes; its packed words, 128 rows x 4 K words as they
-//   lie in memory; its block scale codes, plain loads stored a phase later), then decode the group's weights into one
+//   stages - 1 groups ahead (the group's activations, BN token rows of 256 bytes; its packed words, 128 rows x 4 K
+//   words as they lie in memory; its scale codes, plain loads stored a phase later), then decode its weights into one
 //   of two bf16 / fp16 tiles of 128 rows x 128 k: decode thread t copies (words and scale code) and decodes blocks t
 //   and t + 256 of the group (row b / 4, block b % 4), folding the block's K planes into pair indices (fold_block) and
 //   looking each element pair up in a pair table of (cb[even bits], cb[odd bits]) x PRE (R replicas, lane l reads

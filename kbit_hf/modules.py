@@ -327,10 +327,9 @@ class KbitSiblings(nn.Module):
         self.ratios = tuple(float(m.weight_scale) / float(first.weight_scale) for m in self.members)
         self.same_scale = all(r == 1.0 for r in self.ratios)
         self.scale, self.codebook = first.weight_scale, first.weight_codebook
-        # each member's tensors as it held them when fused (its views, its scale) and its bias: the fused call reads
-        # the biases from here, so that a compiled call reaches each member only by its own path
+        # each member's tensors as it held them when fused (its views, its scale, its bias): the fused call reads the
+        # biases from here, so that a compiled call reaches each member only by its own path
         self.held = tuple((m.weight, m.weight_absmax, m.weight_scale, m.bias) for m in self.members)
-        self.biases = tuple(m.bias for m in self.members)
         for i, (m, ratio) in enumerate(zip(self.members, self.ratios)):
             m._sibling_index, m._sibling_serial, m._sibling_ratio = i, self.serial, ratio
             m._sibling_biased = m.bias is not None
@@ -365,11 +364,12 @@ class KbitSiblings(nn.Module):
     def _bias(self) -> torch.Tensor | None:
         """The fused call's bias: each member's over its ratio (exact for a power of two; the kernel adds it in fp32
         before rounding, as for the member alone, and the part times its ratio is the member's output)."""
-        like = next((b for b in self.biases if b is not None), None)
+        biases = [h[3] for h in self.held]
+        like = next((b for b in biases if b is not None), None)
         if like is None:
             return None
         return torch.cat([(b if r == 1.0 else b / r) if b is not None else like.new_zeros(hi - lo)
-                          for b, r, (lo, hi) in zip(self.biases, self.ratios, self.bounds)])
+                          for b, r, (lo, hi) in zip(biases, self.ratios, self.bounds)])
 
     def key(self, x: torch.Tensor) -> tuple:
         """What a fused call's parts of x are valid for: this group's weights (generation) and, in eager mode, x's
