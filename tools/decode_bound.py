@@ -1,12 +1,13 @@
-"""How fast could a quantized decode step get if the linear layers cost nothing? An upper bound on batch-1 decode
-speed, measured rather than estimated.
+"""How fast is a decode step without its decoder layers' GPU work? The floor that the host's work per token, the
+embedding and the output head leave at batch 1, measured rather than estimated.
 
-Loads the checkpoint as bf16 and as kbit K=4, then the K=4 model once more with every KbitLinear replaced by an
-"oracle" that returns a preallocated zero tensor (no kernel at all; the bf16 lm_head, attention, norms, the compiled
-graph and transformers' generate loop unchanged). Each is measured like `python -m kbit_hf.bench generate` (static
-cache, batch 1, median ms between streamed tokens), with transformers' per-step host sync and with `--defer-stop`.
-step(oracle) is the floor that any linear kernel leaves; step(kbit) - step(oracle) is what kbit's GEMVs add to the
-step (not their GPU time: part of it can overlap the host's work).
+Loads the checkpoint as bf16 and as kbit K=4, then the K=4 model once more with every KbitLinear and KbitMoE replaced
+by an "oracle" that returns a preallocated zero tensor, whatever its input. Under torch.compile the attention, norms
+and routers that only fed those layers are then dead code and dropped too, so the oracle's step is the compiled graph
+and transformers' generate loop with the embedding, the residual adds and the bf16 lm_head: no kernel can make a step
+of the real model shorter. (The real model's kernel-by-kernel split: tools/profile_decode.py.) Each is measured like
+`python -m kbit_hf.bench generate` (static cache, batch 1, median ms between streamed tokens), with transformers'
+per-step host sync and with `--defer-stop`.
 
 usage (from the repository root): PYTHONPATH=. python tools/decode_bound.py FOLDER [new_tokens] [json_out]
 """
@@ -19,19 +20,20 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kbit_hf.bench.generate import _free, _mem, deferred_stop_on_cuda, measure, parse_methods
-from kbit_hf.modules import KbitLinear
+from kbit_hf.modules import KbitLinear, KbitMoE
 
 
-def zero_linears(model):
-    """Every KbitLinear returns a slice of one shared zero buffer per output width (enough rows for the prompt)."""
+def zero_kbit_modules(model):
+    """Every KbitLinear and KbitMoE returns a slice of one shared zero buffer per output width (enough rows for the
+    prompt)."""
     bufs = {}
     n = 0
     for m in model.modules():
-        if isinstance(m, KbitLinear):
-            buf = bufs.setdefault(m.out_features, torch.zeros(256, m.out_features, dtype=torch.bfloat16,
-                                                              device="cuda"))
+        if isinstance(m, (KbitLinear, KbitMoE)):
+            width = m.out_features if isinstance(m, KbitLinear) else model.config.hidden_size
+            buf = bufs.setdefault(width, torch.zeros(256, width, dtype=torch.bfloat16, device="cuda"))
 
-            def fwd(x, buf=buf):
+            def fwd(x, *args, buf=buf, **kwargs):
                 rows = x.numel() // x.shape[-1]
                 return buf[:rows].view(*x.shape[:-1], buf.shape[-1])
 
@@ -52,9 +54,9 @@ def main():
         m = parse_methods(name)[0]
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda",
                                                      quantization_config=m.quantization_config()).eval()
-        label = name + (" (linear layers free)" if oracle else "")
+        label = name + (" (decoder layers free)" if oracle else "")
         if oracle:
-            print(f"{label}: {zero_linears(model)} KbitLinear modules replaced", flush=True)
+            print(f"{label}: {zero_kbit_modules(model)} KbitLinear / KbitMoE modules replaced", flush=True)
         for defer in (False, True):
             ctx = deferred_stop_on_cuda() if defer else contextlib.nullcontext()
             with ctx, torch.inference_mode():
