@@ -1489,6 +1489,60 @@ __device__ __forceinline__ void gemm_block_a(const uint32_t (&w)[Tiled<K>::WORDS
     for (int j = 0; j < 4; ++j) a[h][j] = Mma<T>::mul2(a[h][j], j & 1 ? p1 : p0);
 }
 
+// Two outputs of x's dtype in one register, lo in the low half
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const T l = Cvt<T>::from_f(lo), h = Cvt<T>::from_f(hi);
+  return (uint32_t) * reinterpret_cast<const uint16_t*>(&l) | (uint32_t) * reinterpret_cast<const uint16_t*>(&h) << 16;
+}
+// The GEMM's epilogue for one warpgroup (64 weight rows x BN tokens, after every wgmma of the CTA is done with the
+// stages): y = sums * post * scale (+ bias) in x's dtype, staged through shared memory as [token][64 rows] (128 bytes a
+// token, 16-byte chunk c of token n at chunk c ^ (n % 8): conflict-free both ways) by stmatrix.trans (an 8 x 8 block
+// of the accumulator fragment, rows by tokens, lands as 8 token rows of 8 weight rows), then stored as 16-byte chunks,
+// a warp writing 4 tokens' 128 contiguous bytes. Why: one 2-byte store per output straight from the fragment took
+// about 14% of the kernel (k = 14336) in ncu's samples.
+template <typename T, int BN>
+__device__ __forceinline__ void gemm_store_staged(const float (&acc)[BN / 2], uint32_t region, T* __restrict__ y,
+                                                  const T* __restrict__ bias, int64_t out, int M, int n0,
+                                                  int64_t row0, int wgw, int lane, int wtid, float sc, float post,
+                                                  int barrier_id) {
+  const int g = lane >> 2;
+  const int64_t r0 = row0 + 16 * wgw + g;  // this lane's rows r0, r0 + 8
+  const bool rows_in = r0 < out;
+  float b0 = 0.f, b1 = 0.f;
+  if (bias != nullptr && rows_in) {
+    b0 = Cvt<T>::to_f(bias[r0]);
+    b1 = Cvt<T>::to_f(bias[r0 + 8]);
+  }
+  const float f = post * sc;
+  const int j = lane & 7, mk = lane >> 3;  // the row of matrix mk this lane addresses
+#pragma unroll
+  for (int p = 0; p < BN / 16; ++p) {
+    uint32_t r[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int i0 = 4 * (2 * p + (k >> 1)) + 2 * (k & 1);
+      const float bb = k & 1 ? b1 : b0;
+      r[k] = pack2<T>(fmaf(acc[i0], f, bb), fmaf(acc[i0 + 1], f, bb));
+    }
+    const int n = 8 * (2 * p + (mk >> 1)) + j, c = 2 * wgw + (mk & 1);
+    const uint32_t a = region + 128 * n + 16 * (c ^ j);
+#if KBIT_SM90
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+#endif
+  }
+  bar_group(barrier_id, 128);
+#pragma unroll 4
+  for (int it = 0; it < BN / 16; ++it) {
+    const int idx = 128 * it + wtid, n = idx >> 3, c = idx & 7;
+    const uint4 v = lds128_at(region + 128 * n + 16 * (c ^ (n & 7)));
+    const int64_t row = row0 + 8 * c;
+    if (n0 + n < M && row < out) *reinterpret_cast<uint4*>(y + (int64_t)(n0 + n) * out + row) = v;
+  }
+}
+
 template <typename T, int K, int BN>
 __global__ void __launch_bounds__(GEMM_THREADS, 1)
     gemm_tiled_kernel(const __grid_constant__ CUtensorMap xmap, int M, const uint8_t* __restrict__ wt,
@@ -1615,17 +1669,18 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1)
   fence_acc(acc);
   __syncwarp();
   if (lane == 0) mbar_arrive(GEMM_EMPTY + 8 * ((steps - 1) % GEMM_STAGES));
-  if (!active) return;
   // acc[4 nt + i]: row 16 t + g + 8 (i >> 1), token n0 + 8 nt + 2 q + (i & 1) (store_tile's fragment)
   const float post = TiledScales<T>::A_POST;
   if (splits == 1) {
-    const float sc = __ldg(scale);
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-      const float v4[4] = {acc[4 * nt], acc[4 * nt + 1], acc[4 * nt + 2], acc[4 * nt + 3]};
-      store_tile<T>(y + (int64_t)n0 * out, bias, out, M - n0, t, nt, lane, sc, v4, post);
-    }
+    // past this barrier no wgmma of either warpgroup reads the stages: warpgroup w stages its outputs in stage 1 + w
+    static_assert(2 * BN * 128 <= 3 * GEMM_STAGE, "the epilogue's staging fits stages 1..3");
+    bar_group(1, GEMM_WARPS * 32);
+    const int wg = warp >> 2;
+    gemm_store_staged<T, BN>(acc, gemm_stage_addr(1) + (uint32_t)(wg * BN * 128), y, bias, out, M, n0,
+                             (int64_t)blockIdx.x * GEMM_WARPS * 16 + 64 * wg, warp & 3, lane, (int)threadIdx.x & 127,
+                             __ldg(scale), post, 2 + wg);
   } else {
+    if (!active) return;
     float* part = ws + ((int64_t)split * M + n0) * out;
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {
@@ -1759,7 +1814,8 @@ KBIT_API int64_t kbit_gemm_tiled_workspace(int64_t M, int64_t out, int64_t in) {
 KBIT_API int kbit_gemm_tiled(const void* x, int x_dtype, int64_t M, const void* wt, const void* at, const float* scale,
                              const float* codebook, int k, int64_t out, int64_t in, const void* bias, void* y,
                              void* workspace, int64_t workspace_bytes, void* stream) {
-  if (!tiled_shape(out, in) || M < 1 || M > (int64_t)1 << 30 || ((uintptr_t)x & 15)) return (int)cudaErrorInvalidValue;
+  if (!tiled_shape(out, in) || M < 1 || M > (int64_t)1 << 30 || ((uintptr_t)x & 15) || ((uintptr_t)y & 15))
+    return (int)cudaErrorInvalidValue;
   cudaStream_t st = (cudaStream_t)stream;
   const uint8_t *w = (const uint8_t*)wt, *a = (const uint8_t*)at;
   float* ws = (float*)workspace;

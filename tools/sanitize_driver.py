@@ -30,10 +30,11 @@ GEMV_M = (1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65)  # 65: dequantize + cuBLAS
 TILED_SHAPES = [(48, 512), (272, 768)]
 TILED_M = (1, 8, 9, 17, 33, 64)
 # the library's choice above 64 rows on TILED_SHAPES: the tiled GEMM at 65 and 130 (128 and 256 tokens per CTA,
-# partial token tiles), dequantize + cuBLAS at 300 and 2000 (small layers); and the GEMM forced on GEMM_SHAPES, whose
-# k range is split (272 x 2304: 4 splits of 9 items) through the workspace and gemm_reduce_kernel
+# partial token tiles), dequantize + cuBLAS at 300 and 2000 (small layers); and the GEMM forced on GEMM_SHAPES: 272 x
+# 2304's k range is split (4 splits of 9 items) through the workspace and gemm_reduce_kernel; 16912 x 256 fills the
+# GPU without a split (the staged epilogue; its last CTA holds 1 tile)
 GEMM_M = (65, 130, 300, 2000)
-GEMM_SHAPES = [(272, 2304)]
+GEMM_SHAPES = [(272, 2304), (16912, 256)]
 GEMM_FORCED_M = (65, 130, 300)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 X_DTYPES = (torch.bfloat16, torch.float16)
@@ -179,7 +180,8 @@ def tiled(calls: Counter, ks, variants=None) -> None:
                 y = torch.empty(M, out_f, device="cuda", dtype=xdt)
                 bias = torch.randn(out_f, device="cuda", dtype=xdt) if M % 2 else None
                 kernels.gemm_out(x, wt, at, s, cb, k, in_f, bias, y)
-                calls["gemm tiled, k split"] += 1
+                split = library.lib.kbit_gemm_tiled_workspace(M, out_f, in_f) > 0
+                calls["gemm tiled, k split" if split else "gemm tiled, whole k"] += 1
     if not gemv:
         print("sanitize_driver: not an sm_90 device, the tiled GEMVs were not run")
 

@@ -9,7 +9,7 @@ import torch
 
 from kbit_hf import format as fmt
 from kbit_hf.backends import reference
-from kbit_hf.backends.cuda import dispatch, kernels
+from kbit_hf.backends.cuda import dispatch, kernels, library
 from kbit_hf.backends.cuda.tiled import TILED_K, tile
 from .test_kernels import GEMV_REL_W, _assert_linear_close, _captured
 
@@ -26,8 +26,9 @@ def _ref_linear64(x, p, a, s, cb, k, inf, bias=None):
 pytestmark = pytest.mark.cuda
 
 # (16, 256): one tile, one item (no k split possible); (272, 768): 17 tiles, a partial CTA; (2000, 2304): a k split
-# of items that do not divide evenly; (4096, 1024): 32 CTAs; (6144, 4096): 48 CTAs, 16 items each
-GEMM_SHAPES = [(16, 256), (272, 768), (2000, 2304), (4096, 1024), (6144, 4096)]
+# of items that do not divide evenly; (4096, 1024): 32 CTAs; (6144, 4096): 48 CTAs, 16 items each; (4144, 512): 33
+# CTAs, the last with 3 of its 8 tiles, no k split at 1000 tokens (the staged epilogue)
+GEMM_SHAPES = [(16, 256), (272, 768), (2000, 2304), (4096, 1024), (6144, 4096), (4144, 512)]
 
 
 def _sm90a():
@@ -87,6 +88,31 @@ def test_gemm_tiled(shape, dtype, M, k):
     if dispatch.linear_uses_gemm(M, dtype, out_f, in_f):  # the path KbitLinear runs
         assert torch.equal(kernels.linear(xb, wt, at, s_, cb_, k, in_f, bb), y)
         assert torch.equal(torch.ops.kbit.linear(xb, wt, at, s_, cb_, k, in_f, bb), y)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("M", (100, 257))
+def test_gemm_tiled_epilogue_without_k_split(dtype, M):
+    """Enough CTAs that the k range is not split at 128 and at 256 tokens per CTA (the staged epilogue of both
+    widths), a partial last CTA and token tile, a bias; and an output view that is not 16-byte aligned."""
+    if not _sm90a():
+        pytest.skip("the tiled GEMM is sm_90a")
+    (out_f, in_f), k = (16912, 256), 4
+    assert library.lib.kbit_gemm_tiled_workspace(M, out_f, in_f) == 0
+    cb = fmt.nf0_codebook(k)
+    p, a, s = _quantized((out_f, in_f), k, 11)
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, in_f, generator=g).to(dtype)
+    bias = torch.randn(out_f, generator=g).to(dtype)
+    ref, mag = _ref_linear64(x, p, a, s, cb, k, in_f, bias)
+    wt, at = tile(p.cuda(), a.cuda(), in_f, k)
+    xb, bb, cb_, s_ = x.cuda(), bias.cuda(), cb.cuda(), s.cuda()
+    y = _gemm(xb, wt, at, s_, cb_, k, in_f, bb)
+    _assert_linear_close(y, ref, mag, dtype, rel_w=GEMV_REL_W[dtype])
+    buf = torch.full((M * out_f + 1,), float("nan"), dtype=dtype, device="cuda")
+    y_odd = buf[1:].view(M, out_f)  # 2 bytes past an aligned start
+    assert kernels.gemm_out(xb, wt, at, s_, cb_, k, in_f, bb, y_odd) is y_odd
+    assert torch.equal(y_odd, y) and torch.isnan(buf[0])
 
 
 @pytest.mark.parametrize("x_scale", (2.0**-30, 2.0**12), ids=str)

@@ -232,6 +232,9 @@ def gemm_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
     if not 1 <= M <= GEMM_MAX_ROWS:
         raise ValueError(f"gemm_out takes 1..{GEMM_MAX_ROWS} rows of x; got {M}")
     x = gemm_k_order(x)  # a fresh contiguous copy: 16-byte aligned
+    target = out
+    if out.data_ptr() & 15:  # the GEMM stores 16-byte chunks: an aligned buffer, copied into `out` after
+        out = torch.empty_like(out)
     if bias is not None:
         bias = bias.contiguous()
     # every tensor whose pointer is passed stays referenced until the launch: a temporary freed before it could be
@@ -249,7 +252,9 @@ def gemm_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
                                  0 if bias is None else bias.data_ptr(), out.data_ptr(),
                                  0 if ws is None else ws.data_ptr(), nbytes, stream_of(dev))
     check(rc, "gemm")
-    return out
+    if target is not out:
+        target.copy_(out)
+    return target
 
 
 # the bit-plane GEMM's launch shapes gemm_planes_out can force (csrc/kbit_api.h, kbit_gemm_planes_kernel): tokens per
