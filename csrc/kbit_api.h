@@ -112,10 +112,9 @@ KBIT_API int kbit_gemv_tiled_kernel(const void* x, int x_dtype, int64_t M, const
 
 /* Tensor-core GEMM over the tiled layout for M > 64 tokens: y [M, out] = x [M, in] W^T (+ bias), x/bias/y float16 or
  * bfloat16, x and y 16-byte aligned, fp32 accumulation; compute capability 9.0 only (cudaErrorNotSupported elsewhere).
- * x is given in the tiled layout's k order: inside each block of 32, element 8 q + 4 h + 2 jh + jl at 16 h + 8 jh + 2 q + jl
- * (kbit_hf/backends/cuda/tiled.py, gemm_k_order). Where the layer has
- * too few tiles to fill the GPU the library splits the k range and needs a workspace of
- * kbit_gemm_tiled_workspace(M, out, in) bytes (0: none; -1: bad shape or no device) on the current device. */
+ * Needs a workspace of kbit_gemm_tiled_workspace(M, out, in) bytes (-1: bad shape or no device), 256-byte aligned, on
+ * the current device: x copied into the kernel's k order, and partial sums where the layer has too few tiles to fill
+ * the GPU (the library then splits the k range). */
 KBIT_API int64_t kbit_gemm_tiled_workspace(int64_t M, int64_t out, int64_t in);
 /* 1 when the wgmma GEMMs (kbit_gemm_tiled, kbit_expert_gemm) run on the current device: compute capability 9.0 and
  * this library built with sm_90a code. */

@@ -188,9 +188,11 @@ inline int gemm_splits(int64_t tiles, int64_t M, int64_t in, int sms) {
   const int64_t most = in / 512 > 1 ? in / 512 : 1;
   return (int)(s < most ? s : most);
 }
+// The workspace: x in the GEMM's k order (2 bytes an element; 256-byte aligned end), then any splits' partial sums
+inline int64_t gemm_x_bytes(int64_t M, int64_t in) { return (M * in * 2 + 255) / 256 * 256; }
 inline int64_t gemm_workspace_bytes(int64_t tiles, int64_t M, int64_t in, int sms) {
   const int s = gemm_splits(tiles, M, in, sms);
-  return s > 1 ? (int64_t)s * M * tiles * 16 * 4 : 0;
+  return gemm_x_bytes(M, in) + (s > 1 ? (int64_t)s * M * tiles * 16 * 4 : 0);
 }
 
 // ---- tensor-core GEMM over the bit planes (kbit_gemm.cu: gemm_planes_kernel, M > 64, sm_80+) ----

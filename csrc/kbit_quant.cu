@@ -256,7 +256,7 @@ int dequant_k(int k, const uint32_t* packed, const void* absmax, int fp16, const
 extern "C" {
 
 // the version of this C ABI (kbit_api.h and the tiled layout's bytes); a loader refuses a library of another version
-int kbit_abi_version(void) { return 16; }
+int kbit_abi_version(void) { return 17; }
 
 const char* kbit_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
 

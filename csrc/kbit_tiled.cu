@@ -1451,8 +1451,8 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
 // zero-filled), 128 k per stage at BN = 128, 64 at 256. Consumers: each lane reads its own weight words and block scales of the next item straight from
 // global memory (a register double buffer; no other warp needs them), decodes a block with the pair table
 // (lookup_block) times its block scale (a_scale): the GEMVs' m16n8k16 A operands, whose k order inside a block
-// (lane q holds elements 8 q .. 8 q + 7) is not wgmma's natural order of B in shared memory, so x comes permuted to
-// match (kbit_api.h). Then one m64nBNk16 wgmma per k slice, A from registers, B from the stage (descriptor: the
+// (lane q holds elements 8 q .. 8 q + 7) is not wgmma's natural order of B in shared memory, so x is first copied
+// permuted to match into the workspace (gemm_k_order_kernel). Then one m64nBNk16 wgmma per k slice, A from registers, B from the stage (descriptor: the
 // slice's 32-byte column of the swizzled rows).
 constexpr int GEMM_WARPS = 8, GEMM_THREADS = GEMM_WARPS * 32 + 128, GEMM_STAGES = 4;
 // registers per thread after setmaxnreg: the producer warpgroup gives its own to the consumers' accumulators
@@ -1689,17 +1689,41 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1)
     }
   }
 }
+// xs = x [M, in] in the GEMM's k order: inside each block of 32, element 8 q + 4 h + 2 m + jl goes to 16 h + 8 m + 2 q +
+// jl (the pair table hands lane q of an MMA quad elements 8 q .. 8 q + 7 of a block; wgmma pairs them with B's k
+// indices 2 q + jl and 8 + 2 q + jl of slice h). In 4-byte pairs, a 4 x 4 transpose between the block's four 16-byte
+// chunks: word o of chunk q goes to word q of chunk o. One thread per 64-byte block; 16-byte loads and stores.
+__global__ void gemm_k_order_kernel(const uint4* __restrict__ x, int64_t blocks, uint4* __restrict__ xs) {
+  for (int64_t b = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; b < blocks; b += (int64_t)gridDim.x * blockDim.x) {
+    uint32_t c[4][4], o[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) *reinterpret_cast<uint4*>(c[i]) = __ldg(x + 4 * b + i);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) o[i][j] = c[j][i];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) xs[4 * b + i] = *reinterpret_cast<const uint4*>(o[i]);
+  }
+}
+
 template <typename T, int K>
-int gemm_tiled_launch(const T* x, int64_t M, const uint8_t* wt, const uint8_t* at, const float* scale, const float* cb,
-                      const T* bias, int64_t out, int64_t in, T* y, float* ws, int64_t ws_bytes, cudaStream_t st) {
+int gemm_tiled_launch(const T* x_natural, int64_t M, const uint8_t* wt, const uint8_t* at, const float* scale,
+                      const float* cb, const T* bias, int64_t out, int64_t in, T* y, unsigned char* workspace,
+                      int64_t ws_bytes, cudaStream_t st) {
   int dev = 0, sms = 0;
   if (!current_device_sms(dev, sms)) return (int)cudaErrorInvalidDevice;
   if (!wgmma_gemm_available(dev)) return (int)cudaErrorNotSupported;
   const EncodeTiledFn encode = encode_tiled();
   const int splits = gemm_splits(out / 16, M, in, sms);
-  if (splits > 1 && ws_bytes < gemm_workspace_bytes(out / 16, M, in, sms)) return (int)cudaErrorInvalidValue;
+  if (workspace == nullptr || ((uintptr_t)workspace & 255) || ws_bytes < gemm_workspace_bytes(out / 16, M, in, sms))
+    return (int)cudaErrorInvalidValue;
   const int BN = gemm_tokens_per_cta(M);
   if ((M + BN - 1) / BN > 65535) return (int)cudaErrorInvalidConfiguration;  // grid.y
+  T* x = reinterpret_cast<T*>(workspace);
+  float* ws = reinterpret_cast<float*>(workspace + gemm_x_bytes(M, in));
+  gemm_k_order_kernel<<<grid_for_threads(M * in / 32, 256, 8), 256, 0, st>>>(
+      reinterpret_cast<const uint4*>(x_natural), M * in / 32, reinterpret_cast<uint4*>(x));
   CUtensorMap map;
   const cuuint64_t dims[2] = {(cuuint64_t)in, (cuuint64_t)M}, strides[1] = {(cuuint64_t)in * sizeof(T)};
   const cuuint32_t box[2] = {64, (cuuint32_t)BN}, estr[2] = {1, 1};
@@ -1818,7 +1842,7 @@ KBIT_API int kbit_gemm_tiled(const void* x, int x_dtype, int64_t M, const void* 
     return (int)cudaErrorInvalidValue;
   cudaStream_t st = (cudaStream_t)stream;
   const uint8_t *w = (const uint8_t*)wt, *a = (const uint8_t*)at;
-  float* ws = (float*)workspace;
+  unsigned char* ws = (unsigned char*)workspace;
   return with_k(k, [&](auto kc) {
     constexpr int K = kc.value;
     if (x_dtype == BF16)

@@ -95,20 +95,6 @@ def test_k4_layout_pairs():
         assert int(wt[(c * 32 + 4 * g + q) * 32 + 8 * bs + 4 * h + j]) == int(idx[r, e]) | int(idx[r, e + 1]) << 4
 
 
-def test_gemm_k_order_pairs_x_with_the_layouts_a_registers():
-    """The tiled GEMM's x order: the tiled layout gives lane q of an MMA quad, in register a_{rh + 2 m} of k slice h of
-    block b, the weights of elements e, e + 1 with e = 32 b + 8 q + 4 h + 2 m (test_k4_layout_pairs); the MMA pairs that
-    register with k index 2 q + jl (m = 0) or 8 + 2 q + jl (m = 1) of the slice, which wgmma reads from position
-    32 b + 16 h + 8 m + 2 q + jl of x. gemm_k_order must put element e + jl there."""
-    x = torch.randn(3, 512)
-    xp = tiled.gemm_k_order(x)
-    assert sorted(xp[0].tolist()) == sorted(x[0].tolist())  # a permutation
-    for b in range(16):
-        for h, m, q, jl in ((h, m, q, jl) for h in range(2) for m in range(2) for q in range(4) for jl in range(2)):
-            e = 32 * b + 8 * q + 4 * h + 2 * m
-            assert torch.equal(xp[:, 32 * b + 16 * h + 8 * m + 2 * q + jl], x[:, e + jl])
-
-
 @pytest.mark.parametrize("k", TILED_K)
 @pytest.mark.parametrize("out_f,in_f", [(16, 256), (32, 512)])
 def test_tile_matches_the_definition_and_round_trips(out_f, in_f, k):

@@ -180,7 +180,7 @@ def tiled(calls: Counter, ks, variants=None) -> None:
                 y = torch.empty(M, out_f, device="cuda", dtype=xdt)
                 bias = torch.randn(out_f, device="cuda", dtype=xdt) if M % 2 else None
                 kernels.gemm_out(x, wt, at, s, cb, k, in_f, bias, y)
-                split = library.lib.kbit_gemm_tiled_workspace(M, out_f, in_f) > 0
+                split = library.lib.kbit_gemm_tiled_workspace(M, out_f, in_f) > -(-M * in_f * 2 // 256) * 256
                 calls["gemm tiled, k split" if split else "gemm tiled, whole k"] += 1
     if not gemv:
         print("sanitize_driver: not an sm_90 device, the tiled GEMVs were not run")

@@ -18,7 +18,7 @@ from ... import format as fmt
 from .. import reference
 from . import dispatch, library
 from .library import DTYPE_CODE, check
-from .tiled import gemm_k_order, is_tiled
+from .tiled import is_tiled
 
 # the tiled GEMV variants linear_out can force (csrc/kbit_api.h, KBIT_TILED_*): per-warp ranges; batched, or batched
 # with 1, 2 or 4 warps per tile; "...k2": batched with the k range split over clusters of 2 CTAs
@@ -218,9 +218,9 @@ def _gemm_operands(name, x, packed, bias, out, in_features):
 
 
 def gemm_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
-    """Tensor-core GEMM over a tiled weight into `out` [M, out_features]: x [M, in] fp16/bf16 (any M >= 1; copied
-    into the GEMM's k order, tiled.gemm_k_order), bias None or x's dtype. Needs a compute capability 9.0 GPU. Where the
-    layer splits its k range, a workspace is allocated (from torch's caching allocator: CUDA-graph safe)."""
+    """Tensor-core GEMM over a tiled weight into `out` [M, out_features]: x [M, in] fp16/bf16 (any M >= 1), bias
+    None or x's dtype. Needs a compute capability 9.0 GPU. A workspace (x in the kernel's k order, and partial sums
+    where the layer splits its k range) comes from torch's caching allocator: CUDA-graph safe."""
     _need("gemm_out", x, packed, absmax, scale, bias, out)
     _check_shapes(packed, absmax, scale, k, in_features)
     dev = x.device
@@ -231,7 +231,9 @@ def gemm_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
     M, out_f = _gemm_operands("gemm_out", x, packed, bias, out, in_features)
     if not 1 <= M <= GEMM_MAX_ROWS:
         raise ValueError(f"gemm_out takes 1..{GEMM_MAX_ROWS} rows of x; got {M}")
-    x = gemm_k_order(x)  # a fresh contiguous copy: 16-byte aligned
+    x = x.contiguous()
+    if x.data_ptr() & 15:  # the GEMM's copies of x take 16-byte aligned rows
+        x = x.clone()
     target = out
     if out.data_ptr() & 15:  # the GEMM stores 16-byte chunks: an aligned buffer, copied into `out` after
         out = torch.empty_like(out)

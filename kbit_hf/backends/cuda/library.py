@@ -15,7 +15,7 @@ import torch
 from ..ctypes_library import F32 as _f32, I32 as _i32, I64 as _i64, LIB_DIR, PTR as _vp, open_library
 
 # csrc/kbit_quant.cu kbit_abi_version(): a library built from other sources is refused
-ABI_VERSION = 16
+ABI_VERSION = 17
 
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 

@@ -196,12 +196,3 @@ def _relayout(kernel, reference_fn, w, a, in_features, k, to_tiled):
         rc = fn(w.data_ptr(), a.data_ptr(), k, out, in_features, w2.data_ptr(), a2.data_ptr(), stream_of(w.device))
     library.check(rc, kernel)
     return w2, a2
-
-
-def gemm_k_order(x: torch.Tensor) -> torch.Tensor:
-    """x [M, in] (in % 32 == 0) with each block of 32 inputs in the tiled GEMM's k order: element 8 q + 4 h + 2 jh + jl
-    of a block goes to 16 h + 8 jh + 2 q + jl. The tiled layout hands lane q of an MMA quad the weights of elements
-    8 q .. 8 q + 7 (the GEMVs load x to match); wgmma reads x from shared memory in its natural order, so the GEMM
-    takes x permuted instead (one copy of x, a few percent of the GEMM's time)."""
-    M, n = x.shape
-    return x.view(M, n // 32, 4, 2, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(M, n)
