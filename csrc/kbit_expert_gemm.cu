@@ -22,7 +22,8 @@
 //   shift and a mask, 16 replicas); one HMUL2 applies the block scale. Step kb's wgmmas run while step kb + 1 is
 //   decoded into the other register set (wgmma.wait_group 1).
 // - Epilogue: the sums times the expert's tensor scale (and POST), rounded to the activation dtype, stored at the
-//   rows' original places (order). Rows whose ids are outside [0, E) are zeros.
+//   rows' original places (order): staged through shared memory as 16-byte chunks (wgmma_store_staged) where out is
+//   a multiple of 8 and y 16-byte aligned, else one output at a time. Rows whose ids are outside [0, E) are zeros.
 // - Numerics are the expert GEMV's: weights rounded to the activation dtype as cb x d (PRE / POST for fp16), fp32
 //   sums in k order.
 #include "kbit_api.h"
@@ -277,9 +278,21 @@ __global__ void __launch_bounds__(EG_THREADS, 1)
   fence_acc(acc);
   __syncwarp();
   if (lane == 0) mbar_arrive(EG_EMPTY + 8 * ((steps - 1) % EG_STAGES));
-  if (!active) return;
   // acc[4 nt + i]: row o0 + g + 8 (i >> 1), the item's row 8 nt + 2 q + (i & 1)
   const float sc = __ldg(scale + e) * Mma<T>::POST;
+  if (out % 8 == 0 && ((uintptr_t)y & 15) == 0) {
+    // past this barrier no wgmma of either warpgroup reads the stages: warpgroup w stages its outputs in stage 1 + w
+    static_assert(2 * BN * 128 <= 3 * EG_STAGE, "the epilogue's staging fits stages 1..3");
+    bar_group(1, EG_WARPS * 32);
+    const int wgi = warp >> 2, o_base = o_cta + 64 * wgi;
+    wgmma_store_staged<T, BN>(acc, eg_stage_addr(1) + (uint32_t)(wgi * BN * 128), sc, 0.f, 0.f, warp & 3, lane,
+                              (int)threadIdx.x & 127, 2 + wgi, [&](int m, int c) -> T* {
+                                const int o = o_base + 8 * c;
+                                return m < n && o < out ? y + (int64_t)rows[m] * out + o : nullptr;
+                              });
+    return;
+  }
+  if (!active) return;
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) {
     const int m = 8 * (i >> 2) + 2 * q + (i & 1), o = o0 + g + 8 * ((i >> 1) & 1);

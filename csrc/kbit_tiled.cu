@@ -1489,60 +1489,6 @@ __device__ __forceinline__ void gemm_block_a(const uint32_t (&w)[Tiled<K>::WORDS
     for (int j = 0; j < 4; ++j) a[h][j] = Mma<T>::mul2(a[h][j], j & 1 ? p1 : p0);
 }
 
-// Two outputs of x's dtype in one register, lo in the low half
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  const T l = Cvt<T>::from_f(lo), h = Cvt<T>::from_f(hi);
-  return (uint32_t) * reinterpret_cast<const uint16_t*>(&l) | (uint32_t) * reinterpret_cast<const uint16_t*>(&h) << 16;
-}
-// The GEMM's epilogue for one warpgroup (64 weight rows x BN tokens, after every wgmma of the CTA is done with the
-// stages): y = sums * post * scale (+ bias) in x's dtype, staged through shared memory as [token][64 rows] (128 bytes a
-// token, 16-byte chunk c of token n at chunk c ^ (n % 8): conflict-free both ways) by stmatrix.trans (an 8 x 8 block
-// of the accumulator fragment, rows by tokens, lands as 8 token rows of 8 weight rows), then stored as 16-byte chunks,
-// a warp writing 4 tokens' 128 contiguous bytes. Why: one 2-byte store per output straight from the fragment took
-// about 14% of the kernel (k = 14336) in ncu's samples.
-template <typename T, int BN>
-__device__ __forceinline__ void gemm_store_staged(const float (&acc)[BN / 2], uint32_t region, T* __restrict__ y,
-                                                  const T* __restrict__ bias, int64_t out, int M, int n0,
-                                                  int64_t row0, int wgw, int lane, int wtid, float sc, float post,
-                                                  int barrier_id) {
-  const int g = lane >> 2;
-  const int64_t r0 = row0 + 16 * wgw + g;  // this lane's rows r0, r0 + 8
-  const bool rows_in = r0 < out;
-  float b0 = 0.f, b1 = 0.f;
-  if (bias != nullptr && rows_in) {
-    b0 = Cvt<T>::to_f(bias[r0]);
-    b1 = Cvt<T>::to_f(bias[r0 + 8]);
-  }
-  const float f = post * sc;
-  const int j = lane & 7, mk = lane >> 3;  // the row of matrix mk this lane addresses
-#pragma unroll
-  for (int p = 0; p < BN / 16; ++p) {
-    uint32_t r[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int i0 = 4 * (2 * p + (k >> 1)) + 2 * (k & 1);
-      const float bb = k & 1 ? b1 : b0;
-      r[k] = pack2<T>(fmaf(acc[i0], f, bb), fmaf(acc[i0 + 1], f, bb));
-    }
-    const int n = 8 * (2 * p + (mk >> 1)) + j, c = 2 * wgw + (mk & 1);
-    const uint32_t a = region + 128 * n + 16 * (c ^ j);
-#if KBIT_SM90
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(r[0]),
-                 "r"(r[1]), "r"(r[2]), "r"(r[3])
-                 : "memory");
-#endif
-  }
-  bar_group(barrier_id, 128);
-#pragma unroll 4
-  for (int it = 0; it < BN / 16; ++it) {
-    const int idx = 128 * it + wtid, n = idx >> 3, c = idx & 7;
-    const uint4 v = lds128_at(region + 128 * n + 16 * (c ^ (n & 7)));
-    const int64_t row = row0 + 8 * c;
-    if (n0 + n < M && row < out) *reinterpret_cast<uint4*>(y + (int64_t)(n0 + n) * out + row) = v;
-  }
-}
-
 template <typename T, int K, int BN>
 __global__ void __launch_bounds__(GEMM_THREADS, 1)
     gemm_tiled_kernel(const __grid_constant__ CUtensorMap xmap, int M, const uint8_t* __restrict__ wt,
@@ -1676,9 +1622,17 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1)
     static_assert(2 * BN * 128 <= 3 * GEMM_STAGE, "the epilogue's staging fits stages 1..3");
     bar_group(1, GEMM_WARPS * 32);
     const int wg = warp >> 2;
-    gemm_store_staged<T, BN>(acc, gemm_stage_addr(1) + (uint32_t)(wg * BN * 128), y, bias, out, M, n0,
-                             (int64_t)blockIdx.x * GEMM_WARPS * 16 + 64 * wg, warp & 3, lane, (int)threadIdx.x & 127,
-                             __ldg(scale), post, 2 + wg);
+    const int64_t row0 = (int64_t)blockIdx.x * GEMM_WARPS * 16 + 64 * wg, r0 = row0 + 16 * (warp & 3) + g;
+    float b0 = 0.f, b1 = 0.f;
+    if (bias != nullptr && r0 < out) {
+      b0 = Cvt<T>::to_f(bias[r0]);
+      b1 = Cvt<T>::to_f(bias[r0 + 8]);
+    }
+    wgmma_store_staged<T, BN>(acc, gemm_stage_addr(1) + (uint32_t)(wg * BN * 128), post * __ldg(scale), b0, b1,
+                              warp & 3, lane, (int)threadIdx.x & 127, 2 + wg, [&](int n, int c) -> T* {
+                                const int64_t row = row0 + 8 * c;
+                                return n0 + n < M && row < out ? y + (int64_t)(n0 + n) * out + row : nullptr;
+                              });
   } else {
     if (!active) return;
     float* part = ws + ((int64_t)split * M + n0) * out;

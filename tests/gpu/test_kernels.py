@@ -300,10 +300,11 @@ def test_expert_linear(k, dtype, N, path, shape):
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 @pytest.mark.parametrize("N", (1, 65, 127, 128, 1000, 4096))
-@pytest.mark.parametrize("shape", ((40, 320), (136, 2880), (256, 1024), (24, 64)), ids=str)
+@pytest.mark.parametrize("shape", ((40, 320), (136, 2880), (256, 1024), (24, 64), (36, 320)), ids=str)
 def test_expert_gemm(k, dtype, N, shape):
     """The grouped tensor-core expert GEMM against the fp64 reference: `out` not a multiple of the 128-row CTA (40,
-    136) nor of 16 (40, 24), `in` with a last half group of 64 (320, 2880, 64: nothing else), fp16 block scales
+    136) nor of 16 (40, 24) nor of 8 (36: the epilogue's one-output-at-a-time path; the others stage 16-byte chunks
+    through shared memory), `in` with a last half group of 64 (320, 2880, 64: nothing else), fp16 block scales
     (2880), an expert with no rows, one expert with most rows, ids outside [0, E) (zero rows), 64, 128 and 256 rows
     per work item. The output is poisoned before the call."""
     if not dispatch.wgmma_runs_on(0):
