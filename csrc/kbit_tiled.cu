@@ -1448,12 +1448,13 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
 // over items [v0, v1) of the k range (blockIdx.z of `splits`; splits > 1 leave fp32 partial sums in a workspace,
 // summed in split order by gemm_reduce_kernel). Producer: one lane fills GEMM_STAGES stages of 32 KB, TMA boxes of
 // 64 k x BN tokens (128-byte rows, 128-byte swizzle: wgmma's K-major canonical layout; tokens past M are
-// zero-filled), 128 k per stage at BN = 128, 64 at 256. Consumers: each lane reads its own weight words and block scales of the next item straight from
-// global memory (a register double buffer; no other warp needs them), decodes a block with the pair table
-// (lookup_block) times its block scale (a_scale): the GEMVs' m16n8k16 A operands, whose k order inside a block
-// (lane q holds elements 8 q .. 8 q + 7) is not wgmma's natural order of B in shared memory, so x is first copied
-// permuted to match into the workspace (gemm_k_order_kernel). Then one m64nBNk16 wgmma per k slice, A from registers, B from the stage (descriptor: the
-// slice's 32-byte column of the swizzled rows).
+// zero-filled), 128 k per stage at BN = 128, 64 at 256. Consumers: each lane reads its own weight words and block
+// scales of the next item straight from global memory (a register double buffer; no other warp needs them), decodes a
+// block with the pair table (lookup_block) times its block scale (a_scale): the GEMVs' m16n8k16 A operands, whose k
+// order inside a block (lane q holds elements 8 q .. 8 q + 7) is not wgmma's natural order of B in shared memory, so
+// x is first copied permuted to match into the workspace (gemm_k_order_kernel). Then one m64nBNk16 wgmma per k
+// slice, A from registers, B from the stage (descriptor: the slice's 32-byte column of the swizzled rows). Epilogue:
+// wgmma_store_staged (kbit_sm90.cuh) through stages 1 and 2.
 constexpr int GEMM_WARPS = 8, GEMM_THREADS = GEMM_WARPS * 32 + 128, GEMM_STAGES = 4;
 // registers per thread after setmaxnreg: the producer warpgroup gives its own to the consumers' accumulators
 constexpr int GEMM_PRODUCER_REGS = 40, GEMM_CONSUMER_REGS = 232;

@@ -232,7 +232,7 @@ def gemm_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
     if not 1 <= M <= GEMM_MAX_ROWS:
         raise ValueError(f"gemm_out takes 1..{GEMM_MAX_ROWS} rows of x; got {M}")
     x = x.contiguous()
-    if x.data_ptr() & 15:  # the GEMM's copies of x take 16-byte aligned rows
+    if x.data_ptr() & 15:  # the library's k-order copy reads x in 16-byte words
         x = x.clone()
     target = out
     if out.data_ptr() & 15:  # the GEMM stores 16-byte chunks: an aligned buffer, copied into `out` after
