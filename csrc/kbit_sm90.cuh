@@ -10,6 +10,12 @@ __device__ __forceinline__ uint32_t lds_at(uint32_t addr) {
   asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr));
   return v;
 }
+// a 16-byte load at a shared-window address
+__device__ __forceinline__ uint4 lds128_at(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
 // The asynchronous-copy and mbarrier instructions below are sm_90's; for older targets they compile to nothing
 // (the kernel traps there, and the launcher refuses those devices).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -217,12 +223,6 @@ __device__ __forceinline__ void wgmma_tokens(float (&d)[BN / 2], const uint32_t 
   else wgmma_m64n64k16<T>(d, a, desc);
 }
 
-// Two outputs of dtype T in one register, lo in the low half
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  const T l = Cvt<T>::from_f(lo), h = Cvt<T>::from_f(hi);
-  return (uint32_t) * reinterpret_cast<const uint16_t*>(&l) | (uint32_t) * reinterpret_cast<const uint16_t*>(&h) << 16;
-}
 // The wgmma GEMMs' epilogue for one warpgroup of a y^T = W x^T product (its 64 weight rows x BN tokens; call it once
 // no wgmma of the CTA reads the shared region any more): outputs acc * f + bias of the lane's rows (b0: row g, b1:
 // row g + 8 of warp wgw's 16) in dtype T, staged through `region` (BN x 128 bytes) as [token][64 rows], 16-byte chunk
@@ -242,7 +242,7 @@ __device__ __forceinline__ void wgmma_store_staged(const float (&acc)[BN / 2], u
     for (int k = 0; k < 4; ++k) {  // matrix k: tokens 8 (2 p + k / 2) .., rows g + 8 (k % 2)
       const int i0 = 4 * (2 * p + (k >> 1)) + 2 * (k & 1);
       const float bb = k & 1 ? b1 : b0;
-      r[k] = pack2<T>(fmaf(acc[i0], f, bb), fmaf(acc[i0 + 1], f, bb));
+      r[k] = Mma<T>::pack(fmaf(acc[i0], f, bb), fmaf(acc[i0 + 1], f, bb));
     }
     const int n = 8 * (2 * p + (mk >> 1)) + j, c = 2 * wgw + (mk & 1);
 #if KBIT_SM90
@@ -256,10 +256,7 @@ __device__ __forceinline__ void wgmma_store_staged(const float (&acc)[BN / 2], u
 #pragma unroll 4
   for (int it = 0; it < BN / 16; ++it) {
     const int idx = 128 * it + wtid, n = idx >> 3, c = idx & 7;
-    uint4 v;
-    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(region + 128 * n + 16 * (c ^ (n & 7))));
+    const uint4 v = lds128_at(region + 128 * n + 16 * (c ^ (n & 7)));
     T* d = dst(n, c);
     if (d != nullptr) *reinterpret_cast<uint4*>(d) = v;
   }

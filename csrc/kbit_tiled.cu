@@ -138,11 +138,6 @@ constexpr uint32_t batch_smem_end() {
                                                                           batch_partials_bytes<NW, NT, SPLIT, KS>());
 }
 
-__device__ __forceinline__ uint4 lds128_at(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-  return v;
-}
 // the four floats at addr where p, else zeros (the load is not issued)
 __device__ __forceinline__ float4 lds_f4_if(uint32_t addr, bool p) {
   float4 v = make_float4(0.f, 0.f, 0.f, 0.f);

@@ -248,11 +248,11 @@ def gemm_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
         if nbytes < 0:
             raise RuntimeError(f"kbit CUDA gemm: the library has no tiled GEMM for {dev} (M={M}, {out_f} x "
                                f"{in_features})")
-        ws = torch.empty(nbytes, dtype=torch.uint8, device=dev) if nbytes else None
+        ws = torch.empty(nbytes, dtype=torch.uint8, device=dev)  # x in the kernel's k order, any partial sums
         rc = lib.kbit_gemm_tiled(x.data_ptr(), DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
                                  scale.data_ptr(), cb.data_ptr(), k, out_f, in_features,
                                  0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                                 0 if ws is None else ws.data_ptr(), nbytes, stream_of(dev))
+                                 ws.data_ptr(), nbytes, stream_of(dev))
     check(rc, "gemm")
     if target is not out:
         target.copy_(out)
