@@ -339,11 +339,29 @@ __host__ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32
 #endif
 }
 
+// Programmatic dependent launch (kbit_tiled.cu's launch_config): the tiled GEMVs and the tiled GEMM's three kernels
+// are launched so that they may start while the kernel before them on the stream drains. Before pdl_wait a kernel
+// reads no memory, since that kernel may be writing any of it (even the weights, as the tile kernel does): it sets up
+// shared memory and asks bytes into L2 (a prefetch cannot return stale data). pdl_launch_dependents lets the next
+// kernel be scheduled: its CTAs take an SM as this kernel's CTA there exits (a GEMV or GEMM CTA fills the SM), so its
+// start overlaps this kernel's tail. Without the launch attribute both are no-ops.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // ---- k-split GEMMs (kbit_tiled.cu, kbit_gemm.cu) ----
 // y = (the sum of the splits' fp32 partial sums ws [splits, n], in split order) x the tensor scale (+ bias), n = M x out
 template <typename T>
 __global__ void gemm_reduce_kernel(const float* __restrict__ ws, int splits, int64_t n, int64_t out,
                                    const float* __restrict__ scale, const T* __restrict__ bias, T* __restrict__ y) {
+  pdl_wait();  // a no-op unless launched with programmatic stream serialization (the tiled GEMM's)
   const float sc = __ldg(scale);
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
     float s = 0.f;

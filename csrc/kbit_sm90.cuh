@@ -60,22 +60,6 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 #endif
 }
-// Programmatic dependent launch (launch_gemv): the GEMVs are launched so that they may start while the
-// kernel before them on the stream drains. Before pdl_wait a GEMV reads no memory, since that kernel may be writing
-// any of it (even the weights, as the tile kernel does): it sets up shared memory and asks bytes into L2 (a prefetch
-// cannot return stale data). pdl_launch_dependents lets the next GEMV be scheduled: its CTAs take an SM as this
-// kernel's CTA there exits (a CTA fills the SM's shared memory), so its start overlaps this kernel's tail. Without the
-// launch attribute both are no-ops.
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if KBIT_SM90
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {
-#if KBIT_SM90
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 // Thread block clusters (the batched kernel's k split, KS > 1): this CTA's rank in its cluster; a barrier of every
 // thread of the cluster (release / acquire: shared-memory writes before it are seen by the cluster's reads after it);
 // four floats of CTA rank's shared memory at the address addr has in this CTA's.

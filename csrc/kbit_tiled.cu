@@ -1267,12 +1267,12 @@ bool tiled_shape(int64_t out, int64_t in) {
 // Launches a tiled GEMV with programmatic stream serialization (pdl_wait above): it may start while the kernel before
 // it drains. Both GEMVs are persistent, one CTA per SM, so an early start only takes SMs that
 // the kernel before has left.
-// cluster > 1: in clusters of that many CTAs (the batched kernel's k split). gemv_config: the launch configuration
-// (pdl: with programmatic stream serialization), its attributes in attr.
-cudaLaunchConfig_t gemv_config(unsigned grid, unsigned threads, int dyn, cudaStream_t st, unsigned cluster, bool pdl,
-                               cudaLaunchAttribute (&attr)[2]) {
+// launch_config: the launch configuration of a GEMV or of the GEMM's kernels (pdl: with programmatic stream
+// serialization; cluster > 1: in clusters of that many CTAs, the batched kernel's k split), its attributes in attr.
+cudaLaunchConfig_t launch_config(dim3 grid, unsigned threads, int dyn, cudaStream_t st, unsigned cluster, bool pdl,
+                                 cudaLaunchAttribute (&attr)[2]) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
+  cfg.gridDim = grid;
   cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = (size_t)dyn;
   cfg.stream = st;
@@ -1293,7 +1293,7 @@ template <typename Kernel, typename... Args>
 int launch_gemv(Kernel kernel, unsigned grid, unsigned threads, int dyn, cudaStream_t st, unsigned cluster,
                 Args... args) {
   cudaLaunchAttribute attr[2];
-  const cudaLaunchConfig_t cfg = gemv_config(grid, threads, dyn, st, cluster, true, attr);
+  const cudaLaunchConfig_t cfg = launch_config(grid, threads, dyn, st, cluster, true, attr);
   return (int)cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
@@ -1343,7 +1343,7 @@ int batch_owners(int dev, int sms, int& rc) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dyn);
     cudaLaunchAttribute attr[2];
     const cudaLaunchConfig_t cfg =
-        gemv_config(KS * sms, (NW + tiled_batch_producers(NT)) * 32, (int)dyn, nullptr, KS, false, attr);
+        launch_config(KS * sms, (NW + tiled_batch_producers(NT)) * 32, (int)dyn, nullptr, KS, false, attr);
     int n = 0;
     if (e == cudaSuccess) e = cudaOccupancyMaxActiveClusters(&n, kernel, &cfg);
     if (e != cudaSuccess || n < 1) {
@@ -1449,7 +1449,8 @@ int gemv_tiled_launch(const T* x, int M, const uint8_t* wt, const uint8_t* at, c
 // order inside a block (lane q holds elements 8 q .. 8 q + 7) is not wgmma's natural order of B in shared memory, so
 // x is first copied permuted to match into the workspace (gemm_k_order_kernel). Then one m64nBNk16 wgmma per k
 // slice, A from registers, B from the stage (descriptor: the slice's 32-byte column of the swizzled rows). Epilogue:
-// wgmma_store_staged (kbit_sm90.cuh) through stages 1 and 2.
+// wgmma_store_staged (kbit_sm90.cuh) through stages 1 and 2. The k-order copy, the GEMM and the split reduction are
+// launched with programmatic dependent launch: each starts (barriers, launch) while the one before drains.
 constexpr int GEMM_WARPS = 8, GEMM_THREADS = GEMM_WARPS * 32 + 128, GEMM_STAGES = 4;
 // registers per thread after setmaxnreg: the producer warpgroup gives its own to the consumers' accumulators
 constexpr int GEMM_PRODUCER_REGS = 40, GEMM_CONSUMER_REGS = 232;
@@ -1516,6 +1517,7 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1)
       mbar_init(GEMM_EMPTY + 8 * s, GEMM_WARPS);
     }
   }
+  pdl_wait();  // every global read below: the kernel before (gemm_k_order_kernel) has finished
   build_pair_table<T, K, false, GEMM_THREADS>(win, codebook_lane<K>(codebook, lane), TiledScales<T>::A_TABLE);
   __syncthreads();
   if (warp >= GEMM_WARPS) {  // the producer warpgroup: one lane issues the copies
@@ -1609,6 +1611,10 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1)
   }
   wgmma_wait<0>();
   fence_acc(acc);
+  // with a k split, the reduction may be scheduled now (its launch overlaps the epilogues). Without, the next kernel
+  // waits for this grid to end: started early, a k-order copy after it crowds onto the SMs a partial wave leaves idle
+  // (6144x4096 at 512 tokens, back to back, 0.94x)
+  if (splits > 1) pdl_launch_dependents();
   __syncwarp();
   if (lane == 0) mbar_arrive(GEMM_EMPTY + 8 * ((steps - 1) % GEMM_STAGES));
   // acc[4 nt + i]: row 16 t + g + 8 (i >> 1), token n0 + 8 nt + 2 q + (i & 1) (store_tile's fragment)
@@ -1644,6 +1650,8 @@ __global__ void __launch_bounds__(GEMM_THREADS, 1)
 // indices 2 q + jl and 8 + 2 q + jl of slice h). In 4-byte pairs, a 4 x 4 transpose between the block's four 16-byte
 // chunks: word o of chunk q goes to word q of chunk o. One thread per 64-byte block; 16-byte loads and stores.
 __global__ void gemm_k_order_kernel(const uint4* __restrict__ x, int64_t blocks, uint4* __restrict__ xs) {
+  pdl_launch_dependents();
+  pdl_wait();
   for (int64_t b = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; b < blocks; b += (int64_t)gridDim.x * blockDim.x) {
     uint32_t c[4][4], o[4][4];
 #pragma unroll
@@ -1672,8 +1680,11 @@ int gemm_tiled_launch(const T* x_natural, int64_t M, const uint8_t* wt, const ui
   if ((M + BN - 1) / BN > 65535) return (int)cudaErrorInvalidConfiguration;  // grid.y
   T* x = reinterpret_cast<T*>(workspace);
   float* ws = reinterpret_cast<float*>(workspace + gemm_x_bytes(M, in));
-  gemm_k_order_kernel<<<grid_for_threads(M * in / 32, 256, 8), 256, 0, st>>>(
-      reinterpret_cast<const uint4*>(x_natural), M * in / 32, reinterpret_cast<uint4*>(x));
+  cudaLaunchAttribute attr[2];
+  cudaLaunchConfig_t cfg = launch_config(grid_for_threads(M * in / 32, 256, 8), 256, 0, st, 1u, true, attr);
+  cudaError_t e = cudaLaunchKernelEx(&cfg, gemm_k_order_kernel, reinterpret_cast<const uint4*>(x_natural), M * in / 32,
+                                     reinterpret_cast<uint4*>(x));
+  if (e != cudaSuccess) return (int)e;
   CUtensorMap map;
   const cuuint64_t dims[2] = {(cuuint64_t)in, (cuuint64_t)M}, strides[1] = {(cuuint64_t)in * sizeof(T)};
   const cuuint32_t box[2] = {64, (cuuint32_t)BN}, estr[2] = {1, 1};
@@ -1689,11 +1700,11 @@ int gemm_tiled_launch(const T* x_natural, int64_t M, const uint8_t* wt, const ui
     attr_set[BN == 256][dev] = true;
   }
   const dim3 grid((unsigned)((out / 16 + GEMM_WARPS - 1) / GEMM_WARPS), (unsigned)((M + BN - 1) / BN), (unsigned)splits);
-  kernel<<<grid, GEMM_THREADS, GEMM_SMEM_END, st>>>(map, (int)M, wt, at, scale, cb, bias, out, (int)in, y, ws, splits);
-  cudaError_t e = cudaGetLastError();
+  cfg = launch_config(grid, GEMM_THREADS, (int)GEMM_SMEM_END, st, 1u, true, attr);
+  e = cudaLaunchKernelEx(&cfg, kernel, map, (int)M, wt, at, scale, cb, bias, out, (int)in, y, ws, splits);
   if (e != cudaSuccess || splits == 1) return (int)e;
-  gemm_reduce_kernel<T><<<grid_for_threads(M * out, 256, 8), 256, 0, st>>>(ws, splits, M * out, out, scale, bias, y);
-  return (int)cudaGetLastError();
+  cfg = launch_config(grid_for_threads(M * out, 256, 8), 256, 0, st, 1u, true, attr);
+  return (int)cudaLaunchKernelEx(&cfg, gemm_reduce_kernel<T>, (const float*)ws, splits, M * out, out, scale, bias, y);
 }
 
 template <int K, typename TO>
