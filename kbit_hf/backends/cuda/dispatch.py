@@ -81,13 +81,13 @@ def linear_uses_gemv(M: int, dtype: torch.dtype) -> bool:
 #          14336x4096   M=512 0.81 | 0.63   M=1024 0.74 | 0.77  M=2048 0.83 | 0.81   M=4096 0.78 | 0.84
 #          4096x14336   M=512 0.70 | 0.61   M=1024 0.75 | 0.75  M=2048 0.78 | 0.86
 #          28672x8192   M=1024 0.89 | 0.73  M=2048 0.93 | 0.81  M=4096 0.90 | 0.97
-#   H200:  4096x4096    M=256 0.72 | 0.61   M=512 0.65 | 0.67
+#   H200:  4096x4096    M=256 0.72 | 0.61   M=512 0.65 | 0.67   M=1024 0.83 | 0.78
 #          6144x4096    M=256 0.64 | 0.54   M=512 0.76 | 0.68   M=1024 0.71 | 0.80
 #          14336x4096   M=512 0.91 | 0.70   M=1024 0.79 | 0.80
 #          4096x14336   M=512 0.78 | 0.68   M=1024 0.87 | 0.84
 #          28672x8192   M=1024 0.81 | 0.76 and 0.82 | 0.83 (two runs of an older GEMM; the H100's 0.89 | 0.73 decides)
-# (H200 6144x4096 at 512 and 4096x14336 at 1024 favour the GEMM with the current kernel; the H100 is not measured
-# there with it, so the rule keeps dequantize + cuBLAS)
+# (H200 6144x4096 at 512, 4096x4096 and 4096x14336 at 1024 favour the GEMM with the current kernel; the H100 is not
+# measured there with it, so the rule keeps dequantize + cuBLAS)
 GEMM_MAX_M, GEMM_MAX_M_MID, GEMM_MAX_M_SMALL = 1024, 512, 256
 GEMM_SMALL_NUMEL, GEMM_LARGE_NUMEL = 6144 * 4096, 28672 * 8192
 
