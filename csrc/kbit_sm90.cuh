@@ -1,6 +1,6 @@
 // kbit_sm90.cuh: the sm_90 instructions the tiled kernels and the grouped expert GEMM share: mbarriers, bulk and
-// tensor (TMA) copies, programmatic dependent launch, clusters, wgmma (sm_90a), the GEMMs' staged epilogue and the
-// driver's tensor-map encoder.
+// tensor (TMA) copies, clusters, wgmma (sm_90a), the GEMMs' staged epilogue and the driver's tensor-map encoder
+// (programmatic dependent launch: kbit_common.cuh, which the split reduction shares).
 // Included inside each translation unit's anonymous namespace, after <cuda.h>, <cuda_runtime.h> and <type_traits>.
 #pragma once
 

@@ -1264,9 +1264,9 @@ bool tiled_shape(int64_t out, int64_t in) {
   return out > 0 && in > 0 && out % 16 == 0 && in % 256 == 0 && in < (1 << 30);
 }
 
-// Launches a tiled GEMV with programmatic stream serialization (pdl_wait above): it may start while the kernel before
-// it drains. Both GEMVs are persistent, one CTA per SM, so an early start only takes SMs that
-// the kernel before has left.
+// Launches a tiled GEMV with programmatic stream serialization (pdl_wait: kbit_common.cuh): it may start while the
+// kernel before it drains. Both GEMVs are persistent, one CTA per SM, so an early start only takes SMs that the kernel
+// before has left.
 // launch_config: the launch configuration of a GEMV or of the GEMM's kernels (pdl: with programmatic stream
 // serialization; cluster > 1: in clusters of that many CTAs, the batched kernel's k split), its attributes in attr.
 cudaLaunchConfig_t launch_config(dim3 grid, unsigned threads, int dyn, cudaStream_t st, unsigned cluster, bool pdl,
