@@ -318,6 +318,7 @@ class KbitSiblings(nn.Module):
             bounds.append((row, row + m.local_out_features))
             row += m.local_out_features
         self.bounds = tuple(bounds)
+        self.widths = tuple(m.local_out_features for m in members)
         self.generation = 0  # counts rewritten weights: parts computed before one are not handed out
         self.refresh()
 
@@ -382,7 +383,7 @@ class KbitSiblings(nn.Module):
         others' parts on x (KbitLinear._pending_part hands them out) and return member's, not yet times its ratio."""
         y = ops.linear_forward(x, self.packed, self.absmax, self.scale, self.codebook, self.k, self.in_features,
                                self._bias())
-        parts = [y[..., a:b] for a, b in self.bounds]
+        parts = list(y.split_with_sizes(self.widths, -1))  # one op for every member's view
         mine = parts[member._sibling_index]
         parts[member._sibling_index] = None
         x._kbit_sibling_parts = (self.serial, self.key(x), parts)

@@ -200,3 +200,34 @@ def test_gemm_tiled_refuses_too_many_tokens():
     assert rc != 0
     with pytest.raises(ValueError, match="rows of x"):
         kernels.gemm_out(x[:0], wt, at, s, cb, 4, 768, None, torch.empty(0, 272, device="cuda", dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("M", (100, 300))
+def test_linear_over_a_tiled_weight_takes_any_x_layout(dtype, M):
+    """kernels.linear's eager path over a tiled weight (the GEMM at 100 tokens, dequantize + cuBLAS at 300 on a layer
+    this small): x contiguous, a column slice, a view starting 2 elements in, and 3-D, with a bias, equals the GEMM
+    into a poisoned output or the dequantized weight through F.linear; a weight whose block scales do not fit is
+    refused."""
+    if not _sm90a():
+        pytest.skip("the tiled GEMM is sm_90a")
+    out_f, in_f, k = 272, 768, 4
+    p, a, s = (t.cuda() for t in _quantized((out_f, in_f), k, M))
+    cb = fmt.nf0_codebook(k).cuda()
+    wt, at = tile(p, a, in_f, k)
+    g = torch.Generator(device="cuda").manual_seed(M)
+    big = torch.randn(M, in_f + 8, device="cuda", dtype=dtype, generator=g)
+    bias = torch.randn(out_f, device="cuda", dtype=dtype, generator=g)
+    x = big[:, :in_f].contiguous()
+    if dispatch.linear_uses_gemm(M, dtype, out_f, in_f):
+        want = _gemm(x, wt, at, s, cb, k, in_f, bias)
+    else:
+        want = torch.nn.functional.linear(x, kernels.dequantize(wt, at, s, cb, k, in_f, dtype), bias)
+    buf = torch.empty(M * in_f + 8, device="cuda", dtype=dtype)
+    shifted = buf[2:2 + M * in_f].view(M, in_f).copy_(x)
+    for view in (x, big[:, :in_f], shifted):
+        assert torch.equal(kernels.linear(view, wt, at, s, cb, k, in_f, bias), want)
+    y3 = kernels.linear(x.view(2, M // 2, in_f), wt, at, s, cb, k, in_f, bias)
+    assert y3.shape == (2, M // 2, out_f) and torch.equal(y3.view(M, out_f), want)
+    with pytest.raises(ValueError, match="not a tiled K = 4 weight"):
+        kernels.linear(x, wt, at[:, :-1], s, cb, k, in_f, bias)

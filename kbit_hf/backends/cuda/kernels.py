@@ -303,46 +303,97 @@ def gemm_planes_out(x, packed, absmax, scale, codebook, k, in_features, bias, ou
 
 
 _KSET = frozenset(fmt.SUPPORTED_K)
+_GEMM_WORKSPACE: dict[tuple[int, int, int, int], int] = {}  # (M, out, in, device) -> bytes; M <= GEMM_MAX_M: bounded
+
+
+def _gemm_workspace(M: int, out_f: int, in_features: int, device_index: int) -> int:
+    key = (M, out_f, in_features, device_index)
+    nbytes = _GEMM_WORKSPACE.get(key)
+    if nbytes is None:
+        with torch.cuda.device(device_index):
+            nbytes = library.lib.kbit_gemm_tiled_workspace(M, out_f, in_features)
+        if nbytes < 0:
+            raise RuntimeError(f"kbit CUDA gemm: the library has no tiled GEMM for cuda:{device_index} (M={M}, "
+                               f"{out_f} x {in_features})")
+        _GEMM_WORKSPACE[key] = nbytes
+    return nbytes
+
+
+def _lean_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, tiled, di, y_shape):
+    """One library call for an eager linear whose operands are checked (see linear): the fused GEMV, the tiled GEMM
+    or, where dispatch.py picks neither, the dequantization before cuBLAS. Returns (rc, y, what): y of `y_shape`
+    (M rows of out_f) for the kernels, the dequantized weight for cuBLAS."""
+    lib, stream = library.lib, _stream_of_index(di)
+    if dispatch.linear_uses_gemv(M, x.dtype):
+        y = x.new_empty(y_shape)
+        return _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y, stream), y, "gemv"
+    if tiled and dispatch.linear_uses_gemm(M, x.dtype, out_f, in_features) and dispatch.wgmma_runs_on(di):
+        nbytes = _gemm_workspace(M, out_f, in_features, di)
+        y = x.new_empty(y_shape)  # a fresh allocation: 16-byte aligned, as the GEMM's stores need
+        ws = x.new_empty((nbytes,), dtype=torch.uint8)  # x in the kernel's k order, any partial sums
+        rc = lib.kbit_gemm_tiled(x.data_ptr(), DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
+                                 scale.data_ptr(), codebook.data_ptr(), k, out_f, in_features,
+                                 0 if bias is None else bias.data_ptr(), y.data_ptr(), ws.data_ptr(), nbytes, stream)
+        return rc, y, "gemm"
+    w = x.new_empty((out_f, in_features))
+    if tiled:
+        rc = lib.kbit_dequantize_tiled(packed.data_ptr(), absmax.data_ptr(), scale.data_ptr(), codebook.data_ptr(), k,
+                                       out_f, in_features, w.data_ptr(), DTYPE_CODE[w.dtype], stream)
+    else:
+        rc = lib.kbit_dequantize(packed.data_ptr(), absmax.data_ptr(), 1 if absmax.dtype == torch.float16 else 0,
+                                 scale.data_ptr(), codebook.data_ptr(), k, 1, out_f, in_features, w.data_ptr(),
+                                 DTYPE_CODE[w.dtype], stream)
+    return rc, w, "dequantize"
 
 
 def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
     """y = x @ W^T + bias on CUDA: the fused GEMV where dispatch.linear_uses_gemv, the tiled GEMM where
     dispatch.linear_uses_gemm (tiled weights), the bit-plane GEMM where dispatch.linear_uses_planes_gemm (bit-plane
     weights), else dequantize + cuBLAS."""
-    # Lean eager fast path: this is the per-token decode call, and each Python operation here is host time per layer
-    # and token, so the common case (a contiguous x on a single GPU) takes the fewest.
-    if library.lib is not None and x.is_cuda and k in _KSET and packed.dim() == 2:
+    # Lean eager path: each Python operation here is host time per layer and call, and an eager prefill of a few
+    # hundred tokens is bound by it (the GPU idles between launches), so the common case (fp16 / bf16 x, a 2-D
+    # weight of the stored shape on x's device) checks with plain comparisons and makes one library call; anything
+    # else takes the checked path below.
+    if library.lib is not None and x.is_cuda and k in _KSET and packed.dim() == 2 and x.dtype in dispatch.GEMV_DTYPES:
         shape = x.shape
         M = x.numel() // in_features if in_features > 0 else 0
-        if shape[-1] == in_features and dispatch.linear_uses_gemv(M, x.dtype) \
-                and (bias is None or bias.dtype == x.dtype):
-            tiled = packed.dtype == torch.uint8
-            di = x.get_device()
-            if not tiled or dispatch.tiled_gemv_runs_on(di):
-                out_f = packed.shape[0]
-                if packed.shape[1] != ((in_features * k) >> 3 if tiled else ((in_features + 31) >> 5) * k):
-                    _check_shapes(packed, absmax, scale, k, in_features)
-                if not x.is_contiguous():
-                    x = x.contiguous()
-                if tiled and x.data_ptr() & 15:  # the tiled GEMVs read x in 16-byte words: an aligned copy
-                    x = x.clone()
-                if not (packed.is_contiguous() and absmax.is_contiguous()):
-                    packed, absmax = packed.contiguous(), absmax.contiguous()
-                if not codebook.is_cuda or codebook.dtype != torch.float32:
-                    codebook = _cb(codebook, x.device, k)
-                if bias is not None and not bias.is_contiguous():
-                    bias = bias.contiguous()
-                y = x.new_empty((*shape[:-1], out_f))
-                if _multi_gpu():
-                    with on_device(x.device):
-                        rc = _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y,
-                                        _stream_of_index(di))
-                else:
-                    rc = _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y,
-                                    _stream_of_index(di))
-                if rc:
-                    check(rc, "gemv")
-                return y
+        tiled = packed.dtype == torch.uint8
+        di = x.get_device()
+        if shape[-1] == in_features and M > 0 and packed.get_device() == di and absmax.get_device() == di \
+                and scale.get_device() == di and (bias is None or (bias.dtype == x.dtype and bias.get_device() == di)) \
+                and (not tiled or dispatch.tiled_gemv_runs_on(di)) \
+                and (tiled or not dispatch.linear_uses_planes_gemm(M, x.dtype, in_features, k)):
+            out_f = packed.shape[0]
+            if packed.shape[1] != ((in_features * k) >> 3 if tiled else ((in_features + 31) >> 5) * k) \
+                    or absmax.shape != (out_f, (in_features + 31) >> 5) or scale.numel() != 1 \
+                    or (absmax.dtype != torch.uint8 and (tiled or absmax.dtype != torch.float16)):
+                _check_shapes(packed, absmax, scale, k, in_features)
+                _absmax_fp16(absmax)
+            if bias is not None and bias.shape != (out_f,):
+                raise ValueError(f"kbit linear: bias has shape {tuple(bias.shape)}, the layer has {out_f} outputs")
+            if not x.is_contiguous():
+                x = x.contiguous()
+            if tiled and x.data_ptr() & 15:  # the tiled kernels read x in 16-byte words: an aligned copy
+                x = x.clone()
+            if not (packed.is_contiguous() and absmax.is_contiguous()):
+                packed, absmax = packed.contiguous(), absmax.contiguous()
+            if not codebook.is_cuda or codebook.dtype != torch.float32 or codebook.get_device() != di \
+                    or codebook.numel() != 1 << k:
+                codebook = _cb(codebook, x.device, k)
+            if bias is not None and not bias.is_contiguous():
+                bias = bias.contiguous()
+            if _multi_gpu():
+                with on_device(x.device):
+                    rc, y, what = _lean_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias,
+                                             tiled, di, (*shape[:-1], out_f))
+            else:
+                rc, y, what = _lean_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, tiled,
+                                         di, (*shape[:-1], out_f))
+            if rc:
+                check(rc, what)
+            if what == "dequantize":  # cuBLAS with fp32 accumulation on the weight in x's dtype
+                return F.linear(x, y, bias)
+            return y
     _need("linear", x, packed, absmax, scale, bias)
     M = x.numel() // in_features if in_features > 0 else 0
     if x.shape[-1] == in_features and (bias is None or bias.dtype == x.dtype):
