@@ -15,7 +15,7 @@ from .test_kernels import GEMV_REL_W, _assert_linear_close, _captured
 
 
 def _ref_linear64(x, p, a, s, cb, k, inf, bias=None):
-    """test_kernels._ref_linear64 (float64 product and magnitude), computed on the GPU: M = 1000 by 6144 x 4096"""
+    """test_kernels._ref_linear64 (float64 product and magnitude), computed on the GPU: M = 4096 by 6144 x 4096"""
     w = reference.dequantize(p, a, s, cb, k, inf, torch.float32).cuda().double()
     xd = x.cuda().double()
     y, mag = xd @ w.T, xd.abs() @ w.abs().T
@@ -69,7 +69,7 @@ def _gemm(x, wt, at, s, cb, k, in_f, bias):
 @pytest.mark.parametrize("k", TILED_K)
 @pytest.mark.parametrize("shape", GEMM_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
-@pytest.mark.parametrize("M", (1, 17, 65, 127, 128, 129, 300, 1000))
+@pytest.mark.parametrize("M", (1, 17, 65, 127, 128, 129, 300, 1000, 4096))
 def test_gemm_tiled(shape, dtype, M, k):
     if not _sm90a():
         pytest.skip("the tiled GEMM is sm_90a")
