@@ -4,6 +4,8 @@ counts around the 128- and 256-token CTA tiles, a layer of one tile and one item
 is split through the workspace ((2000, 2304), (4096, 1024), (6144, 4096) at few tokens) and layers of many CTAs, bias,
 determinism, CUDA-graph capture and the path KbitLinear takes."""
 
+import functools
+
 import pytest
 import torch
 
@@ -11,17 +13,8 @@ from kbit_hf import format as fmt
 from kbit_hf.backends import reference
 from kbit_hf.backends.cuda import dispatch, kernels, library
 from kbit_hf.backends.cuda.tiled import TILED_K, tile
-from .test_kernels import GEMV_REL_W, _assert_linear_close, _captured
+from .test_kernels import GEMV_REL_W, _assert_linear_close, _captured, _ref_linear64
 
-
-def _ref_linear64(x, p, a, s, cb, k, inf, bias=None):
-    """test_kernels._ref_linear64 (float64 product and magnitude), computed on the GPU: M = 4096 by 6144 x 4096"""
-    w = reference.dequantize(p, a, s, cb, k, inf, torch.float32).cuda().double()
-    xd = x.cuda().double()
-    y, mag = xd @ w.T, xd.abs() @ w.abs().T
-    if bias is not None:
-        y, mag = y + bias.cuda().double(), mag + bias.cuda().double().abs()
-    return y.cpu(), mag.cpu()
 
 pytestmark = pytest.mark.cuda
 
@@ -35,6 +28,7 @@ def _sm90a():
     return dispatch.wgmma_runs_on(torch.cuda.current_device())
 
 
+@functools.lru_cache(maxsize=8)
 def _quantized(shape, k, seed, absmax_format="e4m4"):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(shape, generator=g)

@@ -106,14 +106,26 @@ def test_dequantize_grid_stride(k, dense):
     assert torch.equal(out, ref)
 
 
+@functools.lru_cache(maxsize=4)
+def _weight64(p, a, s, codebook: tuple, k, inf):
+    """The reference dequantization of one weight in float64 on the GPU, and its magnitudes. Cached per weight object
+    (the cache holds it, so its identity stays its own): the tests' quantized weights are cached too, and
+    reference.dequantize of a 6144 x 4096 weight takes seconds on the host."""
+    w = reference.dequantize(p, a, s, torch.tensor(codebook, dtype=torch.float32), k, inf, torch.float32)
+    w = w.to("cuda", torch.float64)
+    return w, w.abs()
+
+
 def _ref_linear64(x, p, a, s, cb, k, inf, bias=None):
-    w = reference.dequantize(p, a, s, cb, k, inf, torch.float32).double()
-    y = x.double() @ w.T
-    mag = x.double().abs() @ w.abs().T
+    """float64 x @ W^T (+ bias) and the magnitudes |x| @ |W|^T (+ |bias|) that bound the rounding, W the reference
+    dequantization; multiplied on the GPU, returned on the host."""
+    w, w_abs = _weight64(p, a, s, tuple(cb.tolist()), k, inf)
+    xd = x.to("cuda", torch.float64)
+    y, mag = xd @ w.T, xd.abs() @ w_abs.T
     if bias is not None:
-        y = y + bias.double()
-        mag = mag + bias.double().abs()
-    return y, mag
+        bd = bias.to("cuda", torch.float64)
+        y, mag = y + bd, mag + bd.abs()
+    return y.cpu(), mag.cpu()
 
 
 def _assert_linear_close(y, ref, mag, dtype, rel_w=0.0, norm_check=True):
