@@ -106,22 +106,21 @@ def test_dequantize_grid_stride(k, dense):
     assert torch.equal(out, ref)
 
 
-@functools.lru_cache(maxsize=4)
-def _weight64(p, a, s, codebook: tuple, k, inf):
-    """The reference dequantization of one weight in float64 on the GPU, and its magnitudes. Cached per weight object
-    (the cache holds it, so its identity stays its own): the tests' quantized weights are cached too, and
+@functools.lru_cache(maxsize=64)
+def _weight32(p, a, s, codebook: tuple, k, inf):
+    """The reference dequantization of one weight (float32 values, exact) on the GPU. Cached per weight object (the
+    cache holds it, so its identity stays its own): the tests' quantized weights are cached too, and
     reference.dequantize of a 6144 x 4096 weight takes seconds on the host."""
     w = reference.dequantize(p, a, s, torch.tensor(codebook, dtype=torch.float32), k, inf, torch.float32)
-    w = w.to("cuda", torch.float64)
-    return w, w.abs()
+    return w.cuda()
 
 
 def _ref_linear64(x, p, a, s, cb, k, inf, bias=None):
     """float64 x @ W^T (+ bias) and the magnitudes |x| @ |W|^T (+ |bias|) that bound the rounding, W the reference
     dequantization; multiplied on the GPU, returned on the host."""
-    w, w_abs = _weight64(p, a, s, tuple(cb.tolist()), k, inf)
+    w = _weight32(p, a, s, tuple(cb.tolist()), k, inf).double()
     xd = x.to("cuda", torch.float64)
-    y, mag = xd @ w.T, xd.abs() @ w_abs.T
+    y, mag = xd @ w.T, xd.abs() @ w.abs().T
     if bias is not None:
         bd = bias.to("cuda", torch.float64)
         y, mag = y + bd, mag + bd.abs()
@@ -167,7 +166,7 @@ def _captured(fn):
     return graph
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=64)  # every (shape, k) of the tests: consecutive tests change k and shape first
 def _quantized(shape, k):
     g = torch.Generator().manual_seed(shape[0] * 7 + shape[1] + k)
     w = torch.randn(shape, generator=g)
