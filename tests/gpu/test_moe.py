@@ -1,6 +1,8 @@
 """The fused experts block (kernels.moe_experts: gate_up with the gating in its epilogue, down with the routing-weighted
 sum over the top-k) against an fp64 reference, and KbitMoE's use of it."""
 
+import functools
+
 import pytest
 import torch
 
@@ -16,14 +18,24 @@ KS = (2, 3, 4, 5)
 REL_NORM = {torch.bfloat16: 2.0**-6, torch.float16: 2.0**-8}
 
 
-def _block(E, hidden, inter, out_f, k, seed, biases):
+@functools.lru_cache(maxsize=32)  # the dtype and gate of a test change faster than its block's weights
+def _quantized_block(E, hidden, inter, out_f, k, seed, biases):
     g = torch.Generator().manual_seed(seed)
     cb = fmt.nf_codebook(k)
     gu = reference.quantize(torch.randn(E, 2 * inter, hidden, generator=g) * 0.1, cb, k, "e4m4" if seed % 2 else "fp16")
     dn = reference.quantize(torch.randn(E, out_f, inter, generator=g) * 0.1, cb, k, "e4m4")
     gb = torch.randn(E, 2 * inter, generator=g) if biases else None
     db = torch.randn(E, out_f, generator=g) if biases else None
-    return g, cb, gu, dn, gb, db
+    return g.get_state(), cb, gu, dn, gb, db
+
+
+def _block(E, hidden, inter, out_f, k, seed, biases):
+    """A block's quantized experts (and biases), and a generator in the state their draws left (cached: quantizing on
+    the host is most of a test's time)."""
+    state, *block = _quantized_block(E, hidden, inter, out_f, k, seed, biases)
+    g = torch.Generator()
+    g.set_state(state)
+    return (g, *block)
 
 
 def _ref64(x, ids, w, gu, dn, gb, db, cb, k, gate, alpha, limit, dtype):
