@@ -313,12 +313,7 @@ class KbitSiblings(nn.Module):
         self.serial = next(_group_serials)
         self.packed, self.absmax = _frozen(fused[0]), _frozen(fused[1])
         self.k, self.in_features = first.k, first.local_in_features
-        bounds, row = [], 0
-        for m in members:
-            bounds.append((row, row + m.local_out_features))
-            row += m.local_out_features
-        self.bounds = tuple(bounds)
-        self.widths = tuple(m.local_out_features for m in members)
+        self.widths = tuple(m.local_out_features for m in members)  # each member's rows, in order
         self.generation = 0  # counts rewritten weights: parts computed before one are not handed out
         self.refresh()
 
@@ -369,8 +364,8 @@ class KbitSiblings(nn.Module):
         like = next((b for b in biases if b is not None), None)
         if like is None:
             return None
-        return torch.cat([(b if r == 1.0 else b / r) if b is not None else like.new_zeros(hi - lo)
-                          for b, r, (lo, hi) in zip(biases, self.ratios, self.bounds)])
+        return torch.cat([(b if r == 1.0 else b / r) if b is not None else like.new_zeros(n)
+                          for b, r, n in zip(biases, self.ratios, self.widths)])
 
     def key(self, x: torch.Tensor) -> tuple:
         """What a fused call's parts of x are valid for: this group's weights (generation) and, in eager mode, x's

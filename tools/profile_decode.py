@@ -104,14 +104,15 @@ WAITING_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSyn
 def print_prompt(prof_1, wall: float, args, batch: int) -> None:
     """The 1-token generate (the prompt's forward, the first token's sampling): wall time, GPU busy time and its
     kernels, and the host's time in CUDA calls that can wait."""
-    gpu = [e for e in prof_1.key_averages() if e.device_type == DeviceType.CUDA and e.count]
+    events = prof_1.key_averages()
+    gpu = [e for e in events if e.device_type == DeviceType.CUDA and e.count]
     busy = sum(e.self_device_time_total for e in gpu)
     print(f"\n== {args.method} {args.mode}, batch {batch}: the {args.prompt_len}-token prompt (a 1-token generate), "
           f"wall {wall * 1e3:.3f} ms, GPU busy {busy / 1e3:.3f} ms in {sum(e.count for e in gpu)} kernels")
     print(f"{'us':>9} {'calls':>6}  kernel")
     for e in sorted(gpu, key=lambda e: -e.self_device_time_total)[:15]:
         print(f"{e.self_device_time_total:9.1f} {e.count:6d}  {e.key[:110]}")
-    waits = [e for e in prof_1.key_averages() if e.device_type == DeviceType.CPU and e.key.startswith(WAITING_CALLS)]
+    waits = [e for e in events if e.device_type == DeviceType.CPU and e.key.startswith(WAITING_CALLS)]
     print("host time in CUDA calls that can wait: " + (", ".join(
         f"{e.key} {e.self_cpu_time_total:.0f} us ({e.count} calls)" for e in waits) or "none"))
 

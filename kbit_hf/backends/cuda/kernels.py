@@ -9,6 +9,7 @@ for tests and benchmarks.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -44,6 +45,7 @@ def stream_of(device: torch.device) -> int:
 
 
 _MULTI = None
+_ON_CURRENT_DEVICE = contextlib.nullcontext()  # one GPU: the launch needs no device switch
 
 
 def _multi_gpu() -> bool:
@@ -145,17 +147,23 @@ def dequantize_out(packed, absmax, scale, codebook, k, in_features, out):
     *lead, rows, _ = packed.shape
     dev = packed.device
     cb = _cb(codebook, dev, k)
+    if not is_tiled(packed):
+        _absmax_fp16(absmax)  # validates the block scales' dtype
     with on_device(dev):
-        if is_tiled(packed):
-            rc = library.lib.kbit_dequantize_tiled(packed.data_ptr(), absmax.data_ptr(), scale.data_ptr(),
-                                                   cb.data_ptr(), k, rows, in_features, out.data_ptr(),
-                                                   DTYPE_CODE[out.dtype], stream_of(dev))
-        else:
-            rc = library.lib.kbit_dequantize(packed.data_ptr(), absmax.data_ptr(), _absmax_fp16(absmax),
-                                             scale.data_ptr(), cb.data_ptr(), k, math.prod(lead), rows, in_features,
-                                             out.data_ptr(), DTYPE_CODE[out.dtype], stream_of(dev))
+        rc = _dequantize_call(packed, absmax, scale, cb, k, math.prod(lead), rows, in_features, out, stream_of(dev))
     check(rc, "dequantize")
     return out
+
+
+def _dequantize_call(packed, absmax, scale, codebook, k, lead, rows, in_features, out, stream):
+    """The one ctypes call of a dequantization into `out` (operands checked by the caller: hot path)."""
+    if packed.dtype == torch.uint8:  # the tiled layout
+        return library.lib.kbit_dequantize_tiled(packed.data_ptr(), absmax.data_ptr(), scale.data_ptr(),
+                                                 codebook.data_ptr(), k, rows, in_features, out.data_ptr(),
+                                                 DTYPE_CODE[out.dtype], stream)
+    return library.lib.kbit_dequantize(packed.data_ptr(), absmax.data_ptr(), 1 if absmax.dtype == torch.float16 else 0,
+                                       scale.data_ptr(), codebook.data_ptr(), k, lead, rows, in_features,
+                                       out.data_ptr(), DTYPE_CODE[out.dtype], stream)
 
 
 def dequantize(packed, absmax, scale, codebook, k, in_features, dtype=torch.float32):
@@ -243,16 +251,9 @@ def gemm_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
     # handed to the next allocation on the stream and overwritten first
     packed, absmax, scale, cb = packed.contiguous(), absmax.contiguous(), scale.contiguous(), _cb(codebook, dev, k)
     with on_device(dev):
-        lib = library.lib
-        nbytes = lib.kbit_gemm_tiled_workspace(M, out_f, in_features)
-        if nbytes < 0:
-            raise RuntimeError(f"kbit CUDA gemm: the library has no tiled GEMM for {dev} (M={M}, {out_f} x "
-                               f"{in_features})")
-        ws = torch.empty(nbytes, dtype=torch.uint8, device=dev)  # x in the kernel's k order, any partial sums
-        rc = lib.kbit_gemm_tiled(x.data_ptr(), DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
-                                 scale.data_ptr(), cb.data_ptr(), k, out_f, in_features,
-                                 0 if bias is None else bias.data_ptr(), out.data_ptr(),
-                                 ws.data_ptr(), nbytes, stream_of(dev))
+        nbytes = _workspace_bytes(library.lib.kbit_gemm_tiled_workspace(M, out_f, in_features), M, out_f,
+                                  in_features, dev)
+        rc = _gemm_call(x, M, packed, absmax, scale, cb, k, out_f, in_features, bias, out, nbytes, stream_of(dev))
     check(rc, "gemm")
     if target is not out:
         target.copy_(out)
@@ -306,44 +307,51 @@ _KSET = frozenset(fmt.SUPPORTED_K)
 _GEMM_WORKSPACE: dict[tuple[int, int, int, int], int] = {}  # (M, out, in, device) -> bytes; M <= GEMM_MAX_M: bounded
 
 
+def _workspace_bytes(nbytes: int, M: int, out_f: int, in_features: int, device) -> int:
+    if nbytes < 0:
+        raise RuntimeError(f"kbit CUDA gemm: the library has no tiled GEMM for {device} (M={M}, {out_f} x "
+                           f"{in_features})")
+    return nbytes
+
+
 def _gemm_workspace(M: int, out_f: int, in_features: int, device_index: int) -> int:
+    """The tiled GEMM's workspace bytes for the lean path's rows, cached."""
     key = (M, out_f, in_features, device_index)
     nbytes = _GEMM_WORKSPACE.get(key)
     if nbytes is None:
         with torch.cuda.device(device_index):
-            nbytes = library.lib.kbit_gemm_tiled_workspace(M, out_f, in_features)
-        if nbytes < 0:
-            raise RuntimeError(f"kbit CUDA gemm: the library has no tiled GEMM for cuda:{device_index} (M={M}, "
-                               f"{out_f} x {in_features})")
+            nbytes = _workspace_bytes(library.lib.kbit_gemm_tiled_workspace(M, out_f, in_features), M, out_f,
+                                      in_features, f"cuda:{device_index}")
         _GEMM_WORKSPACE[key] = nbytes
     return nbytes
+
+
+def _gemm_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y, nbytes, stream):
+    """The one ctypes call of the tiled GEMM into `y` (operands checked by the caller: hot path), with a workspace of
+    `nbytes` from torch's caching allocator (x in the kernel's k order, any partial sums), referenced until the
+    launch."""
+    ws = x.new_empty((nbytes,), dtype=torch.uint8)
+    return library.lib.kbit_gemm_tiled(x.data_ptr(), DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
+                                       scale.data_ptr(), codebook.data_ptr(), k, out_f, in_features,
+                                       0 if bias is None else bias.data_ptr(), y.data_ptr(), ws.data_ptr(), nbytes,
+                                       stream)
 
 
 def _lean_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, tiled, di, y_shape):
     """One library call for an eager linear whose operands are checked (see linear): the fused GEMV, the tiled GEMM
     or, where dispatch.py picks neither, the dequantization before cuBLAS. Returns (rc, y, what): y of `y_shape`
     (M rows of out_f) for the kernels, the dequantized weight for cuBLAS."""
-    lib, stream = library.lib, _stream_of_index(di)
+    stream = _stream_of_index(di)
     if dispatch.linear_uses_gemv(M, x.dtype):
         y = x.new_empty(y_shape)
         return _gemv_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y, stream), y, "gemv"
     if tiled and dispatch.linear_uses_gemm(M, x.dtype, out_f, in_features) and dispatch.wgmma_runs_on(di):
-        nbytes = _gemm_workspace(M, out_f, in_features, di)
         y = x.new_empty(y_shape)  # a fresh allocation: 16-byte aligned, as the GEMM's stores need
-        ws = x.new_empty((nbytes,), dtype=torch.uint8)  # x in the kernel's k order, any partial sums
-        rc = lib.kbit_gemm_tiled(x.data_ptr(), DTYPE_CODE[x.dtype], M, packed.data_ptr(), absmax.data_ptr(),
-                                 scale.data_ptr(), codebook.data_ptr(), k, out_f, in_features,
-                                 0 if bias is None else bias.data_ptr(), y.data_ptr(), ws.data_ptr(), nbytes, stream)
-        return rc, y, "gemm"
+        nbytes = _gemm_workspace(M, out_f, in_features, di)
+        return _gemm_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, y, nbytes, stream), \
+            y, "gemm"
     w = x.new_empty((out_f, in_features))
-    if tiled:
-        rc = lib.kbit_dequantize_tiled(packed.data_ptr(), absmax.data_ptr(), scale.data_ptr(), codebook.data_ptr(), k,
-                                       out_f, in_features, w.data_ptr(), DTYPE_CODE[w.dtype], stream)
-    else:
-        rc = lib.kbit_dequantize(packed.data_ptr(), absmax.data_ptr(), 1 if absmax.dtype == torch.float16 else 0,
-                                 scale.data_ptr(), codebook.data_ptr(), k, 1, out_f, in_features, w.data_ptr(),
-                                 DTYPE_CODE[w.dtype], stream)
-    return rc, w, "dequantize"
+    return _dequantize_call(packed, absmax, scale, codebook, k, 1, out_f, in_features, w, stream), w, "dequantize"
 
 
 def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
@@ -382,11 +390,7 @@ def linear(x, packed, absmax, scale, codebook, k, in_features, bias=None):
                 codebook = _cb(codebook, x.device, k)
             if bias is not None and not bias.is_contiguous():
                 bias = bias.contiguous()
-            if _multi_gpu():
-                with on_device(x.device):
-                    rc, y, what = _lean_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias,
-                                             tiled, di, (*shape[:-1], out_f))
-            else:
+            with on_device(x.device) if _multi_gpu() else _ON_CURRENT_DEVICE:
                 rc, y, what = _lean_call(x, M, packed, absmax, scale, codebook, k, out_f, in_features, bias, tiled,
                                          di, (*shape[:-1], out_f))
             if rc:
