@@ -31,7 +31,10 @@ step() {  # step NAME RC: record a failed step, print the time so far
   echo "$1: rc=$2, $(( $(date +%s) - t0 )) s"
 }
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout 480 python3 -m pytest tests/gpu -q -x -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest_gpu.log" | tail -15
+  workers=()  # with pytest-xdist installed, one worker per two cores (tests/gpu/conftest.py shares the threads out)
+  python3 -c "import xdist" 2>/dev/null && workers=(-n "$(( $(nproc) / 2 ))")
+  timeout 480 python3 -m pytest tests/gpu -q -x -p no:cacheprovider "${workers[@]}" "$@" 2>&1 \
+    | tee "$OUT/pytest_gpu.log" | tail -15
   step "gpu tests" "${PIPESTATUS[0]}"
 fi
 if [ "${SKIP_SAN:-0}" != 1 ]; then

@@ -13,7 +13,7 @@ from kbit_hf import format as fmt
 from kbit_hf.backends import reference
 from kbit_hf.backends.cuda import dispatch, kernels, library
 from kbit_hf.backends.cuda.tiled import TILED_K, tile
-from .test_kernels import GEMV_REL_W, _assert_linear_close, _captured, _ref_linear64
+from .test_kernels import GEMV_REL_W, _assert_linear_close, _captured, _quantize_on_gpu, _ref_linear64
 
 
 pytestmark = pytest.mark.cuda
@@ -33,7 +33,7 @@ def _quantized(shape, k, seed, absmax_format="e4m4"):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(shape, generator=g)
     w[1, 32:64] *= 1e-5  # a subnormal e4m4 block scale
-    return reference.quantize(w, fmt.nf0_codebook(k), k, absmax_format)
+    return _quantize_on_gpu(w, fmt.nf0_codebook(k), k, absmax_format)
 
 
 def _assert_replays(graph, x, y, want):

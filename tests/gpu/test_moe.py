@@ -10,6 +10,7 @@ from kbit_hf import format as fmt
 from kbit_hf import ops
 from kbit_hf.backends import reference
 from kbit_hf.backends.cuda import kernels
+from .test_kernels import _quantize_on_gpu
 
 KS = (2, 3, 4, 5)
 # the relative error norm of the block: weights reach the MMA rounded to the activation dtype (cb and the block scale
@@ -22,16 +23,16 @@ REL_NORM = {torch.bfloat16: 2.0**-6, torch.float16: 2.0**-8}
 def _quantized_block(E, hidden, inter, out_f, k, seed, biases):
     g = torch.Generator().manual_seed(seed)
     cb = fmt.nf_codebook(k)
-    gu = reference.quantize(torch.randn(E, 2 * inter, hidden, generator=g) * 0.1, cb, k, "e4m4" if seed % 2 else "fp16")
-    dn = reference.quantize(torch.randn(E, out_f, inter, generator=g) * 0.1, cb, k, "e4m4")
+    gu = _quantize_on_gpu(torch.randn(E, 2 * inter, hidden, generator=g) * 0.1, cb, k,
+                          "e4m4" if seed % 2 else "fp16")
+    dn = _quantize_on_gpu(torch.randn(E, out_f, inter, generator=g) * 0.1, cb, k, "e4m4")
     gb = torch.randn(E, 2 * inter, generator=g) if biases else None
     db = torch.randn(E, out_f, generator=g) if biases else None
     return g.get_state(), cb, gu, dn, gb, db
 
 
 def _block(E, hidden, inter, out_f, k, seed, biases):
-    """A block's quantized experts (and biases), and a generator in the state their draws left (cached: quantizing on
-    the host is most of a test's time)."""
+    """A block's quantized experts (and biases), and a generator in the state their draws left (cached)."""
     state, *block = _quantized_block(E, hidden, inter, out_f, k, seed, biases)
     g = torch.Generator()
     g.set_state(state)
@@ -39,10 +40,12 @@ def _block(E, hidden, inter, out_f, k, seed, biases):
 
 
 def _ref64(x, ids, w, gu, dn, gb, db, cb, k, gate, alpha, limit, dtype):
-    """fp64 block, with the gated activations rounded to the activation dtype as the kernel stores them."""
+    """fp64 block, with the gated activations rounded to the activation dtype as the kernel stores them; computed on
+    the GPU, returned on the host."""
+    x, ids, w, gb, db, cb = (None if t is None else t.cuda() for t in (x, ids, w, gb, db, cb))
     E, hidden, inter = gu[0].shape[0], x.shape[1], gu[0].shape[1] // 2
-    wgu = reference.dequantize(*gu, cb, k, hidden, torch.float32).double()
-    wd = reference.dequantize(*dn, cb, k, inter, torch.float32).double()
+    wgu = reference.dequantize(*(t.cuda() for t in gu), cb, k, hidden, torch.float32).double()
+    wd = reference.dequantize(*(t.cuda() for t in dn), cb, k, inter, torch.float32).double()
     flat = ids.reshape(-1)
     valid = (flat >= 0) & (flat < E)
     safe = flat.clamp(0, E - 1)
@@ -55,7 +58,7 @@ def _ref64(x, ids, w, gu, dn, gb, db, cb, k, gate, alpha, limit, dtype):
     if db is not None:
         d = d + db.to(dtype).double()[safe]
     wr = w.reshape(-1, 1).to(dtype).double() * valid.unsqueeze(-1)
-    return (d * wr).view(*ids.shape, -1).sum(1), h
+    return (d * wr).view(*ids.shape, -1).sum(1).cpu(), h.cpu()
 
 
 def _rel(got, ref):

@@ -13,7 +13,7 @@ from kbit_hf import ops
 from kbit_hf.backends import reference
 from kbit_hf.backends.cuda import kernels
 from kbit_hf.backends.cuda.tiled import TILED_K, tile, tile_reference, untile
-from .test_kernels import GEMV_REL_W, _assert_linear_close, _captured, _ref_linear64
+from .test_kernels import GEMV_REL_W, _assert_linear_close, _captured, _quantize_on_gpu, _ref_linear64
 
 # (2000, 2304): tiles that do not split evenly over the SMs; (272, 768): fewer tiles than SMs, 3 items per tile
 TILED_SHAPES = [(16, 256), (48, 512), (272, 768), (2000, 2304), (4096, 1024), (6144, 4096)]
@@ -28,7 +28,7 @@ def _quantized(shape, k=4):
     g = torch.Generator().manual_seed(shape[0] * 3 + shape[1])
     w = torch.randn(shape, generator=g)
     w[1, 32:64] *= 1e-5  # a subnormal e4m4 block scale
-    return reference.quantize(w, fmt.nf0_codebook(k), k, "e4m4")
+    return _quantize_on_gpu(w, fmt.nf0_codebook(k), k, "e4m4")
 
 
 @pytest.mark.parametrize("k", TILED_K)
