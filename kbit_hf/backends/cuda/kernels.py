@@ -251,8 +251,7 @@ def gemm_out(x, packed, absmax, scale, codebook, k, in_features, bias, out):
     # handed to the next allocation on the stream and overwritten first
     packed, absmax, scale, cb = packed.contiguous(), absmax.contiguous(), scale.contiguous(), _cb(codebook, dev, k)
     with on_device(dev):
-        nbytes = _workspace_bytes(library.lib.kbit_gemm_tiled_workspace(M, out_f, in_features), M, out_f,
-                                  in_features, dev)
+        nbytes = _gemm_workspace(M, out_f, in_features, dev.index)
         rc = _gemm_call(x, M, packed, absmax, scale, cb, k, out_f, in_features, bias, out, nbytes, stream_of(dev))
     check(rc, "gemm")
     if target is not out:
@@ -304,24 +303,20 @@ def gemm_planes_out(x, packed, absmax, scale, codebook, k, in_features, bias, ou
 
 
 _KSET = frozenset(fmt.SUPPORTED_K)
-_GEMM_WORKSPACE: dict[tuple[int, int, int, int], int] = {}  # (M, out, in, device) -> bytes; M <= GEMM_MAX_M: bounded
-
-
-def _workspace_bytes(nbytes: int, M: int, out_f: int, in_features: int, device) -> int:
-    if nbytes < 0:
-        raise RuntimeError(f"kbit CUDA gemm: the library has no tiled GEMM for {device} (M={M}, {out_f} x "
-                           f"{in_features})")
-    return nbytes
+# (M, out, in, device) -> bytes; bounded: KbitLinear's calls have M <= dispatch.GEMM_MAX_M
+_GEMM_WORKSPACE: dict[tuple[int, int, int, int], int] = {}
 
 
 def _gemm_workspace(M: int, out_f: int, in_features: int, device_index: int) -> int:
-    """The tiled GEMM's workspace bytes for the lean path's rows, cached."""
+    """The tiled GEMM's workspace bytes for M rows of a layer on one GPU, cached."""
     key = (M, out_f, in_features, device_index)
     nbytes = _GEMM_WORKSPACE.get(key)
     if nbytes is None:
         with torch.cuda.device(device_index):
-            nbytes = _workspace_bytes(library.lib.kbit_gemm_tiled_workspace(M, out_f, in_features), M, out_f,
-                                      in_features, f"cuda:{device_index}")
+            nbytes = library.lib.kbit_gemm_tiled_workspace(M, out_f, in_features)
+        if nbytes < 0:
+            raise RuntimeError(f"kbit CUDA gemm: the library has no tiled GEMM for cuda:{device_index} (M={M}, "
+                               f"{out_f} x {in_features})")
         _GEMM_WORKSPACE[key] = nbytes
     return nbytes
 
